@@ -1,0 +1,135 @@
+"""INT4 W4A16 MoE weights in the payload's packed layout.
+
+Per expert the layer holds two matrices in math form (y = x @ W.T):
+  w13: [2*inter, hidden]  gate rows [0, inter) then up rows [inter, 2*inter)
+  w2:  [hidden, inter]
+
+Stored transposed, K-major with two N-neighbours per byte, so a kernel loads a
+[BLOCK_K, BLOCK_N // 2] tile with N contiguous and unpacks it with one join:
+
+  packed[e, k, j] = (q[e, k, 2j] + 8) | ((q[e, k, 2j + 1] + 8) << 4)      uint8 [E, K, N // 2]
+  scales[e, g, n] = bf16 scale of rows k in [g * group, (g + 1) * group)   bf16  [E, K // group, N]
+  W.T[e, k, n]    = q[e, k, n] * scales[e, k // group, n]                  q in [-8, 7]
+
+K is the GEMM's reduction size (hidden for w13, inter for w2), N its output size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    experts: int
+    hidden: int
+    inter: int  # per-shard expert intermediate size (after --tp)
+    topk: int
+    group_size: int
+
+    def validate(self) -> None:
+        """Raise ValueError with an operator-readable reason for an impossible shape."""
+        for name in ("experts", "hidden", "inter", "topk", "group_size"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.topk > self.experts:
+            raise ValueError(f"topk ({self.topk}) cannot exceed experts ({self.experts})")
+        for name in ("hidden", "inter"):
+            value = getattr(self, name)
+            if value % self.group_size:
+                raise ValueError(f"{name} ({value}) must be a multiple of group size ({self.group_size})")
+            if value % 2:
+                raise ValueError(f"{name} ({value}) must be even to pack two int4 values per byte")
+
+
+@dataclass
+class PackedLinear:
+    """One packed weight for all experts: GEMM of reduction size k, output size n."""
+
+    packed: torch.Tensor  # uint8 [E, k, n // 2]
+    scales: torch.Tensor  # bf16  [E, k // group, n]
+    group_size: int
+
+    @property
+    def k(self) -> int:
+        return self.packed.shape[1]
+
+    @property
+    def n(self) -> int:
+        return self.packed.shape[2] * 2
+
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+@dataclass
+class MoEWeights:
+    shape: MoEShape
+    w13: PackedLinear  # k = hidden, n = 2 * inter
+    w2: PackedLinear  # k = inter, n = hidden
+
+    def nbytes(self) -> int:
+        return self.w13.nbytes() + self.w2.nbytes()
+
+
+def packed_linear_bytes(experts: int, k: int, n: int, group_size: int) -> int:
+    """Device bytes of one PackedLinear, without allocating it."""
+    return experts * (k * n // 2 + (k // group_size) * n * 2)
+
+
+def weights_bytes(shape: MoEShape) -> int:
+    return packed_linear_bytes(shape.experts, shape.hidden, 2 * shape.inter, shape.group_size) + packed_linear_bytes(
+        shape.experts, shape.inter, shape.hidden, shape.group_size
+    )
+
+
+def _random_packed_linear(experts: int, k: int, n: int, group_size: int, device, generator) -> PackedLinear:
+    # Built in place in the final layout: peak device memory is the final weights alone.
+    packed = torch.randint(0, 256, (experts, k, n // 2), dtype=torch.uint8, device=device, generator=generator)
+    # Scales keep every output near unit variance for unit-variance inputs:
+    # var(q) for q uniform on [-8, 7] is 21.25, so scale ~ 1 / sqrt(21.25 * k).
+    base = 1.0 / math.sqrt(21.25 * k)
+    scales = torch.empty((experts, k // group_size, n), dtype=torch.bfloat16, device=device)
+    scales.uniform_(0.5 * base, 1.5 * base, generator=generator)
+    return PackedLinear(packed=packed, scales=scales, group_size=group_size)
+
+
+def random_weights(shape: MoEShape, device: torch.device | str, seed: int = 0) -> MoEWeights:
+    """Random weights in their final packed layout, built directly on `device`."""
+    shape.validate()
+    device = torch.device(device)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    w13 = _random_packed_linear(shape.experts, shape.hidden, 2 * shape.inter, shape.group_size, device, generator)
+    w2 = _random_packed_linear(shape.experts, shape.inter, shape.hidden, shape.group_size, device, generator)
+    return MoEWeights(shape=shape, w13=w13, w2=w2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n // 2] -> int8 [..., n] in [-8, 7], low nibble first."""
+    low = (packed & 0x0F).to(torch.int8) - 8
+    high = (packed >> 4).to(torch.int8) - 8
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int [..., n] in [-8, 7] -> uint8 [..., n // 2]; the inverse of unpack_int4."""
+    if q.shape[-1] % 2:
+        raise ValueError("last dimension must be even")
+    if int(q.min()) < -8 or int(q.max()) > 7:
+        raise ValueError("int4 values must lie in [-8, 7]")
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def dequantize(linear: PackedLinear, experts: torch.Tensor | None = None, dtype=torch.float32) -> torch.Tensor:
+    """W.T for the chosen experts (all when None): [E', k, n] in `dtype`."""
+    packed = linear.packed if experts is None else linear.packed[experts]
+    scales = linear.scales if experts is None else linear.scales[experts]
+    q = unpack_int4(packed).to(dtype)
+    s = scales.to(dtype).repeat_interleave(linear.group_size, dim=1)
+    return q * s

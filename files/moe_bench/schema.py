@@ -1,0 +1,252 @@
+"""The results file: one versioned JSON document, written after every M, and its one loader.
+
+The payload writes it (ResultsWriter); the report, the run history and AWX's set_stats read
+it through load_results(), which upgrades every older schema_version to the current one, so
+a reader only ever sees the current layout.
+
+Writes are atomic (temporary file in the same folder, fsync, rename): a crash or a SIGKILL at
+any moment leaves either the previous complete document or the new one on disk, never a
+half-written file. The CSV beside it (same stem, .csv) carries the per-M rows.
+
+Only the standard library is imported here, so the controller can load results without torch.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+SCHEMA_NAME = "moe_bench.results"
+SCHEMA_VERSION = 1
+
+STATUSES = ("running", "complete", "failed")
+ERROR_KINDS = ("environment", "correctness", "runtime")
+
+# Columns of one timed M, in the order the CSV shows them.
+RESULT_FIELDS = (
+    "m",
+    "us",
+    "us_p20",
+    "us_p80",
+    "us_per_token",
+    "bytes",
+    "flops",
+    "gbps",
+    "tflops",
+    "floor_us",
+    "pct_of_floor",
+    "compile_s",
+    "distinct_experts",
+)
+
+ENVIRONMENT_FIELDS = ("hostname", "gpu_name", "driver", "cuda", "torch", "triton", "python", "device")
+CONFIG_FIELDS = (
+    "preset",
+    "experts",
+    "hidden",
+    "inter",
+    "topk",
+    "group_size",
+    "tp",
+    "backend",
+    "dtype",
+    "m_list",
+    "seed",
+)
+TOP_LEVEL_FIELDS = (
+    "schema",
+    "schema_version",
+    "status",
+    "started_at",
+    "finished_at",
+    "error",
+    "environment",
+    "config",
+    "ceilings",
+    "correctness",
+    "compile_seconds",
+    "results",
+)
+
+
+class ResultsFormatError(ValueError):
+    """A results file that is not a moe_bench results document this loader can read."""
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def csv_path_for(json_path: str | os.PathLike) -> Path:
+    """The CSV that lives beside a results JSON: same folder, same stem, .csv."""
+    return Path(json_path).with_suffix(".csv")
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Replace `path` with `text` so that readers see the old or the new file, never a part."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as tmp:
+            tmp.write(text)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        try:
+            os.unlink(tmp_name)
+        except FileNotFoundError:
+            pass
+        raise
+    # The rename itself is durable only once the folder is synced.
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def results_csv_text(rows: list[dict[str, Any]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(RESULT_FIELDS), extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({field: row.get(field) for field in RESULT_FIELDS})
+    return buffer.getvalue()
+
+
+def new_document(environment: dict, config: dict, ceilings: dict | None = None) -> dict:
+    return {
+        "schema": SCHEMA_NAME,
+        "schema_version": SCHEMA_VERSION,
+        "status": "running",
+        "started_at": utc_now(),
+        "finished_at": None,
+        "error": None,
+        "environment": {field: environment.get(field) for field in ENVIRONMENT_FIELDS},
+        "config": {field: config.get(field) for field in CONFIG_FIELDS},
+        "ceilings": ceilings,
+        "correctness": [],
+        "compile_seconds": 0.0,
+        "results": [],
+    }
+
+
+class ResultsWriter:
+    """Owns one run's results JSON + CSV; every mutation is written through at once."""
+
+    def __init__(self, path: str | os.PathLike | None, environment: dict, config: dict, ceilings: dict | None = None):
+        # path None keeps the document in memory only (a run without --out).
+        self.path = Path(path) if path is not None else None
+        self.document = new_document(environment, config, ceilings)
+        self.write()
+
+    @property
+    def csv_path(self) -> Path | None:
+        return csv_path_for(self.path) if self.path is not None else None
+
+    def write(self) -> None:
+        if self.path is None:
+            return
+        atomic_write_text(self.path, json.dumps(self.document, indent=2, sort_keys=False) + "\n")
+        atomic_write_text(self.csv_path, results_csv_text(self.document["results"]))
+
+    def set_ceilings(self, ceilings: dict) -> None:
+        self.document["ceilings"] = dict(ceilings)
+        self.write()
+
+    def add_correctness(self, check: dict) -> None:
+        self.document["correctness"].append(dict(check))
+        self.write()
+
+    def add_result(self, row: dict) -> None:
+        missing = [field for field in RESULT_FIELDS if field not in row]
+        if missing:
+            raise ValueError(f"result row lacks {missing}")
+        self.document["results"].append({field: row[field] for field in RESULT_FIELDS})
+        self.document["compile_seconds"] = round(
+            sum(float(r["compile_s"] or 0.0) for r in self.document["results"]), 3
+        )
+        self.write()
+
+    def complete(self) -> None:
+        self.document["status"] = "complete"
+        self.document["finished_at"] = utc_now()
+        self.write()
+
+    def fail(self, kind: str, message: str, exit_code: int) -> None:
+        if kind not in ERROR_KINDS:
+            raise ValueError(f"unknown error kind {kind!r}")
+        self.document["status"] = "failed"
+        self.document["finished_at"] = utc_now()
+        self.document["error"] = {"kind": kind, "message": message, "exit_code": exit_code}
+        self.write()
+
+
+# Upgrades from version N to N + 1, applied in order by load_results. A schema change adds one
+# entry here and bumps SCHEMA_VERSION; old files on controllers keep loading.
+_UPGRADES: dict[int, Callable[[dict], dict]] = {}
+
+
+def upgrade_document(document: dict) -> dict:
+    """Bring a parsed results document to SCHEMA_VERSION; raise ResultsFormatError if impossible."""
+    if not isinstance(document, dict) or document.get("schema") != SCHEMA_NAME:
+        raise ResultsFormatError(f"not a {SCHEMA_NAME} document (schema={document.get('schema') if isinstance(document, dict) else None!r})")
+    version = document.get("schema_version")
+    if not isinstance(version, int) or version < 1:
+        raise ResultsFormatError(f"bad schema_version {version!r}")
+    if version > SCHEMA_VERSION:
+        raise ResultsFormatError(
+            f"schema_version {version} is newer than this loader ({SCHEMA_VERSION}); update files/moe_bench on the controller"
+        )
+    while version < SCHEMA_VERSION:
+        document = _UPGRADES[version](document)
+        version += 1
+        document["schema_version"] = version
+    missing = [field for field in TOP_LEVEL_FIELDS if field not in document]
+    if missing:
+        raise ResultsFormatError(f"results document lacks {missing}")
+    if document["status"] not in STATUSES:
+        raise ResultsFormatError(f"unknown status {document['status']!r}")
+    for row in document["results"]:
+        lacking = [field for field in RESULT_FIELDS if field not in row]
+        if lacking:
+            raise ResultsFormatError(f"result row for m={row.get('m')!r} lacks {lacking}")
+    return document
+
+
+def load_results(path: str | os.PathLike) -> dict:
+    """Read a results JSON of any known schema_version, returned in the current layout.
+
+    Adds `completed_m` (the M values timed so far) and `total_m` (how many were asked for), the
+    two numbers a progress display needs.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ResultsFormatError(f"{path}: not valid JSON ({error})") from None
+    try:
+        document = upgrade_document(document)
+    except ResultsFormatError as error:
+        raise ResultsFormatError(f"{path}: {error}") from None
+    document["completed_m"] = [row["m"] for row in document["results"]]
+    m_list = (document.get("config") or {}).get("m_list") or []
+    document["total_m"] = len(m_list)
+    return document
