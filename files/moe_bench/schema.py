@@ -140,6 +140,7 @@ def new_document(environment: dict, config: dict, ceilings: dict | None = None) 
         "ceilings": ceilings,
         "correctness": [],
         "compile_seconds": 0.0,
+        "timing": None,
         "results": [],
     }
 
@@ -163,12 +164,23 @@ class ResultsWriter:
         atomic_write_text(self.path, json.dumps(self.document, indent=2, sort_keys=False) + "\n")
         atomic_write_text(self.csv_path, results_csv_text(self.document["results"]))
 
+    def set_environment(self, environment: dict) -> None:
+        self.document["environment"] = {field: environment.get(field) for field in ENVIRONMENT_FIELDS}
+        self.write()
+
     def set_ceilings(self, ceilings: dict) -> None:
         self.document["ceilings"] = dict(ceilings)
         self.write()
 
+    def set_timing(self, timing: dict) -> None:
+        """How the figures were taken: method (cuda-graph, cuda-events-eager, cpu-perf-counter),
+        routings rotated, notes such as a graph capture that fell back to eager timing."""
+        self.document["timing"] = dict(timing)
+        self.write()
+
     def add_correctness(self, check: dict) -> None:
         self.document["correctness"].append(dict(check))
+        self._update_compile_seconds()
         self.write()
 
     def add_result(self, row: dict) -> None:
@@ -176,10 +188,15 @@ class ResultsWriter:
         if missing:
             raise ValueError(f"result row lacks {missing}")
         self.document["results"].append({field: row[field] for field in RESULT_FIELDS})
-        self.document["compile_seconds"] = round(
-            sum(float(r["compile_s"] or 0.0) for r in self.document["results"]), 3
-        )
+        self._update_compile_seconds()
         self.write()
+
+    def _update_compile_seconds(self) -> None:
+        # First calls compile: the correctness check's (one per tile config, before timing) and
+        # each timed M's untimed first call.
+        seconds = sum(float(check.get("call_s") or 0.0) for check in self.document["correctness"])
+        seconds += sum(float(row["compile_s"] or 0.0) for row in self.document["results"])
+        self.document["compile_seconds"] = round(seconds, 3)
 
     def complete(self) -> None:
         self.document["status"] = "complete"
@@ -215,6 +232,7 @@ def upgrade_document(document: dict) -> dict:
         document = _UPGRADES[version](document)
         version += 1
         document["schema_version"] = version
+    document.setdefault("timing", None)  # optional: absent in documents of interrupted early runs
     missing = [field for field in TOP_LEVEL_FIELDS if field not in document]
     if missing:
         raise ResultsFormatError(f"results document lacks {missing}")

@@ -1,0 +1,510 @@
+"""Command line and run sequence of the benchmark: build inputs, check, time, report.
+
+Exit codes (docs/design.md): 0 success, 2 bad arguments, 3 environment or preflight failure,
+4 correctness check failed, 5 runtime failure (out of memory, CUDA error, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+
+from . import perfmodel, presets
+from .quant import MoEShape
+
+EXIT_OK = 0
+EXIT_BAD_ARGUMENTS = 2
+EXIT_ENVIRONMENT = 3
+EXIT_CORRECTNESS = 4
+EXIT_RUNTIME = 5
+
+DEFAULT_M_LIST = tuple(2**i for i in range(12))  # 1, 2, 4, ..., 2048
+# Routings rotated through while timing one M: each reads its own expert set, so consecutive
+# replays do not find the previous one's experts in L2 (50 MB on an H200, under one M=1 set).
+# The CPU has no such cache to defeat at these shapes and Triton's interpreter is slow: two.
+ROUTINGS = {"cuda": 8, "cpu": 2}
+# Ceilings used on the CPU when none are given: nominal figures, marked "default" in results.
+CPU_DEFAULT_CEILINGS = {"bandwidth_gbps": 20.0, "tflops": 0.5}
+
+# ||out - ref|| / ||ref|| allowed against the float32 reference, by activation dtype. bf16 keeps
+# 8 mantissa bits: rounding the inputs' products, the intermediate and the output each costs about
+# 2^-9 relative, about 0.4% together; 1e-2 leaves room without letting a wrong tile through (a
+# missing expert or a wrong scale group is an O(1) error). fp16: 3 more mantissa bits. fp32: a GPU
+# dot may run as TF32 (10-bit mantissa).
+RELATIVE_ERROR_BOUND = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 2e-3}
+
+# Test hook, not an operator option: raise a runtime failure when this M is reached, so tests
+# can show that a crash mid-run leaves the finished M on disk.
+_FAULT_INJECTION_ENV = "MOE_BENCH_INTERNAL_FAIL_AT_M"
+
+
+class HarnessError(Exception):
+    exit_code = EXIT_RUNTIME
+    kind = "runtime"
+
+
+class EnvironmentFailure(HarnessError):
+    exit_code = EXIT_ENVIRONMENT
+    kind = "environment"
+
+
+class CorrectnessFailure(HarnessError):
+    exit_code = EXIT_CORRECTNESS
+    kind = "correctness"
+
+
+class RuntimeFailure(HarnessError):
+    exit_code = EXIT_RUNTIME
+    kind = "runtime"
+
+
+def log(message: str) -> None:
+    print(f"[moe_bench] {message}", flush=True)
+
+
+# ---- arguments ---------------------------------------------------------------------------
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def _m_list(text: str) -> list[int]:
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        values.append(_positive_int(part))
+    if not values:
+        raise argparse.ArgumentTypeError("empty M list")
+    return sorted(set(values))
+
+
+def _device(text: str) -> str:
+    if text == "cpu" or re.fullmatch(r"cuda(:\d+)?", text):
+        return "cuda:0" if text == "cuda" else text
+    raise argparse.ArgumentTypeError(f"expected cuda:N or cpu, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .backends import BACKEND_NAMES
+
+    parser = argparse.ArgumentParser(
+        prog="python -m moe_bench",
+        description="Benchmark one W4A16 MoE layer forward (INT4 weights, bf16 scales) on one device.",
+    )
+    parser.add_argument("--preset", choices=sorted(presets.PRESETS), default=presets.DEFAULT_PRESET,
+                        help="layer shape of a public model (default %(default)s)")
+    parser.add_argument("--experts", type=_positive_int, help="routed experts (overrides the preset)")
+    parser.add_argument("--hidden", type=_positive_int, help="hidden size (overrides the preset)")
+    parser.add_argument("--inter", type=_positive_int, help="expert intermediate size before --tp (overrides the preset)")
+    parser.add_argument("--topk", type=_positive_int, help="experts per token (overrides the preset)")
+    parser.add_argument("--group-size", type=_positive_int, help="int4 quantisation group (overrides the preset)")
+    parser.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel shards: inter is divided by N")
+    parser.add_argument("--backend", choices=BACKEND_NAMES, default="triton")
+    parser.add_argument("--device", type=_device, default="cuda:0", help="cuda:N or cpu (default %(default)s)")
+    parser.add_argument("--dtype", choices=sorted(RELATIVE_ERROR_BOUND),
+                        help="activation dtype (default bfloat16 on CUDA, float32 on the CPU)")
+    parser.add_argument("--m-list", type=_m_list, default=list(DEFAULT_M_LIST),
+                        help="comma-separated token counts (default 1,2,4,...,2048)")
+    parser.add_argument("--out", help="results JSON, written after every M; the CSV goes beside it")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bandwidth-gbps", type=_positive_float, help="memory ceiling instead of measuring it")
+    parser.add_argument("--tflops", type=_positive_float, help="bf16 matmul ceiling instead of measuring it")
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--estimate", action="store_true", help="print the device-memory estimate JSON and exit")
+    action.add_argument("--preflight", action="store_true",
+                        help="check imports, device and free memory in seconds; exit 0 or 3")
+    return parser
+
+
+class Settings:
+    """Validated arguments plus what they imply."""
+
+    def __init__(self, args: argparse.Namespace, shape: MoEShape):
+        self.args = args
+        self.shape = shape
+        self.device = args.device
+        self.device_kind = "cpu" if args.device == "cpu" else "cuda"
+        self.dtype_name = args.dtype or ("float32" if self.device_kind == "cpu" else "bfloat16")
+        self.m_list = args.m_list
+        self.max_m = max(args.m_list)
+
+    def config(self) -> dict:
+        a = self.args
+        return {
+            "preset": a.preset,
+            "experts": self.shape.experts,
+            "hidden": self.shape.hidden,
+            "inter": self.shape.inter,
+            "topk": self.shape.topk,
+            "group_size": self.shape.group_size,
+            "tp": a.tp,
+            "backend": a.backend,
+            "dtype": self.dtype_name,
+            "m_list": list(self.m_list),
+            "seed": a.seed,
+        }
+
+    def estimate(self) -> dict:
+        return perfmodel.estimate(self.shape, self.args.backend, self.max_m, ROUTINGS[self.device_kind],
+                                  self.device_kind, config=dict(self.config(), device=self.device),
+                                  dtype=self.dtype_name)
+
+
+def parse_settings(argv: list[str] | None) -> Settings:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    preset = presets.PRESETS[args.preset]
+    full = MoEShape(
+        experts=args.experts or preset.experts,
+        hidden=args.hidden or preset.hidden,
+        inter=args.inter or preset.inter,
+        topk=args.topk or preset.topk,
+        group_size=args.group_size or preset.group_size,
+    )
+    try:
+        shape = presets.shard_shape(full, args.tp)
+        shape.validate()
+    except ValueError as error:
+        parser.error(str(error))
+    if (args.bandwidth_gbps is None) != (args.tflops is None):
+        parser.error("give both --bandwidth-gbps and --tflops, or neither (then they are measured)")
+    settings = Settings(args, shape)
+    if args.backend == "triton" and settings.device_kind == "cpu" and settings.dtype_name == "bfloat16":
+        parser.error("--backend triton on the CPU runs under Triton's interpreter, which computes bf16 dots "
+                     "wrongly: use --dtype float16 or float32")
+    if args.backend.endswith("-marlin") and settings.device_kind == "cpu":
+        parser.error(f"--backend {args.backend} runs on CUDA devices only")
+    return settings
+
+
+# ---- the run -----------------------------------------------------------------------------
+
+def collect_environment(device) -> dict:
+    """Versions and the device's identity; device None before the device is opened."""
+    import platform
+    import socket
+    import subprocess
+    from importlib import metadata
+
+    import torch
+
+    try:
+        triton_version = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        triton_version = None
+    gpu_name = driver = None
+    if device is not None and device.type == "cuda":
+        gpu_name = torch.cuda.get_device_name(device)
+        try:
+            result = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", str(device.index or 0)],
+                capture_output=True, text=True, timeout=10, check=False,
+            )
+            driver = result.stdout.strip().splitlines()[0] if result.returncode == 0 and result.stdout.strip() else None
+        except (OSError, subprocess.SubprocessError):
+            driver = None
+    return {
+        "hostname": socket.gethostname(),
+        "gpu_name": gpu_name,
+        "driver": driver,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "device": str(device) if device is not None else None,
+    }
+
+
+def make_inputs(shape: MoEShape, m: int, dtype, device, generator):
+    """Tokens with unit variance and a uniform random top-k routing (distinct experts per token)."""
+    import torch
+
+    x = torch.randn((m, shape.hidden), generator=generator, device=device, dtype=torch.float32).to(dtype)
+    logits = torch.rand((m, shape.experts), generator=generator, device=device)
+    topk_ids = torch.topk(logits, shape.topk, dim=-1).indices.to(torch.int32)
+    topk_weights = torch.rand((m, shape.topk), generator=generator, device=device, dtype=torch.float32) + 0.1
+    topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return x, topk_ids, topk_weights
+
+
+def correctness_ms(backend, m_list: list[int]) -> list[int]:
+    """M values to check: the smallest and largest M of every tile configuration the run uses,
+    and an odd M (ragged blocks) when the list goes that far."""
+    by_config: dict[str, list[int]] = {}
+    for m in m_list:
+        by_config.setdefault(json.dumps(backend.configs_used(m), sort_keys=True), []).append(m)
+    chosen = set()
+    for ms in by_config.values():
+        chosen.update((min(ms), max(ms)))
+    if max(m_list) >= 3:
+        chosen.add(3)
+    return sorted(chosen)
+
+
+def relative_error(out, ref) -> float | None:
+    """||out - ref|| / ||ref||, or None when out holds NaN/Inf (an unwritten poisoned row, say)."""
+    import torch
+
+    out32 = out.float()
+    if not bool(torch.isfinite(out32).all()):
+        return None
+    return float(torch.linalg.vector_norm(out32 - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-30))
+
+
+def poisoned_call(backend, x, topk_ids, topk_weights, hidden: int):
+    """Run the backend so that output rows it never writes read NaN and fail the check.
+
+    A backend taking `out=` gets a NaN-filled output. Otherwise an output-sized NaN block is
+    filled and released just before the call: CUDA's caching allocator hands that same block to
+    the next allocation of its size, the backend's output (best effort elsewhere)."""
+    import torch
+
+    poison = torch.full((x.shape[0], hidden), float("nan"), dtype=x.dtype, device=x.device)
+    if getattr(backend, "takes_out", False):
+        return backend(x, topk_ids, topk_weights, out=poison)
+    del poison
+    return backend(x, topk_ids, topk_weights)
+
+
+def check_correctness(settings: Settings, backend, weights, dtype, device, writer) -> None:
+    import torch
+
+    from .backends import reference_moe
+
+    bound = RELATIVE_ERROR_BOUND[settings.dtype_name]
+    shape = settings.shape
+    generator = torch.Generator(device=device)
+    for m in correctness_ms(backend, settings.m_list):
+        # Fresh inputs, never the ones timed, seeded apart from them.
+        generator.manual_seed(settings.args.seed * 1_000_003 + 7919 * m + 1)
+        x, topk_ids, topk_weights = make_inputs(shape, m, dtype, device, generator)
+        # The first call of a tile configuration compiles it (Triton JIT): its time is recorded,
+        # because the timing phase later finds that configuration compiled already.
+        _synchronize(device)
+        call_started = time.perf_counter()
+        out = poisoned_call(backend, x, topk_ids, topk_weights, shape.hidden)
+        _synchronize(device)
+        call_s = time.perf_counter() - call_started
+        if tuple(out.shape) != (m, shape.hidden):
+            raise CorrectnessFailure(f"backend {backend.name} returned shape {tuple(out.shape)} for M={m}, "
+                                     f"expected {(m, shape.hidden)}")
+        ref = reference_moe(weights, x, topk_ids, topk_weights)
+        error = relative_error(out, ref)
+        ok = error is not None and error <= bound
+        config = backend.configs_used(m)
+        writer.add_correctness({"m": m, "rel_err": error, "bound": bound, "ok": ok, "config": config,
+                                "call_s": round(call_s, 3)})
+        shown = "NaN/Inf in the output" if error is None else f"relative error {error:.2e}"
+        log(f"check M={m}: {shown} (bound {bound:.0e}) {'ok' if ok else 'FAILED'}")
+        if not ok:
+            raise CorrectnessFailure(
+                f"backend {backend.name} is wrong at M={m} (tile config {json.dumps(config, sort_keys=True)}): "
+                f"{shown} against the float32 reference, bound {bound:.0e}; no timing was done"
+            )
+        del out, ref, x, topk_ids, topk_weights
+
+
+def resolve_ceilings(settings: Settings, device) -> dict:
+    args = settings.args
+    if args.bandwidth_gbps is not None:
+        return {"bandwidth_gbps": args.bandwidth_gbps, "tflops": args.tflops, "source": "given"}
+    if settings.device_kind == "cpu":
+        return dict(CPU_DEFAULT_CEILINGS, source="default")
+    from .timing import measure_ceilings
+
+    log("measuring ceilings (device copy, bf16 matmul) ...")
+    return measure_ceilings(device)
+
+
+def _synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_one_m(settings: Settings, backend, m: int, dtype, device):
+    """(compile seconds, Timing) for one M over fresh routings rotated while timing."""
+    import torch
+
+    from . import timing
+
+    generator = torch.Generator(device=device)
+    generator.manual_seed(settings.args.seed * 1_000_003 + m)
+    routings = ROUTINGS[settings.device_kind]
+    inputs = [make_inputs(settings.shape, m, dtype, device, generator) for _ in range(routings)]
+
+    def call(r: int):
+        return backend(*inputs[r])
+
+    # The first call at an M compiles what this M's tile config needs (Triton JIT): timed apart.
+    _synchronize(device)
+    started = time.perf_counter()
+    call(0)
+    _synchronize(device)
+    compile_s = time.perf_counter() - started
+    if device.type == "cuda":
+        result = timing.time_cuda(call, routings, device, capture=backend.capturable)
+    else:
+        result = timing.time_cpu(call, routings)
+    del inputs
+    return compile_s, result
+
+
+def _raise_on_sigterm(signum, frame):
+    raise RuntimeFailure(f"stopped by signal {signal.Signals(signum).name}")
+
+
+def run_benchmark(settings: Settings) -> int:
+    from .schema import ResultsWriter
+
+    started = time.perf_counter()
+    writer = None
+    phase = "starting"  # named in a runtime failure's message: where the run was when it broke
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    try:
+        log(f"starting: backend {settings.args.backend} on {settings.device}, shape {settings.shape}, "
+            f"dtype {settings.dtype_name}, M {','.join(map(str, settings.m_list))}")
+        if settings.args.backend == "triton" and settings.device_kind == "cpu":
+            # Must be set before triton is first imported; CPU tensors need the interpreter.
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        import torch
+
+        from .backends import BackendUnavailable, check_backend_available, create_backend
+
+        writer = ResultsWriter(settings.args.out, collect_environment(None), settings.config())
+        # Refuse a backend whose packages are missing before any device is touched.
+        try:
+            check_backend_available(settings.args.backend)
+        except BackendUnavailable as error:
+            raise EnvironmentFailure(str(error)) from None
+        phase = f"opening {settings.device}"
+        device = _open_device(settings)
+        dtype = getattr(torch, settings.dtype_name)
+        writer.set_environment(collect_environment(device))
+        phase = "measuring ceilings"
+        ceilings = resolve_ceilings(settings, device)
+        writer.set_ceilings(ceilings)
+        log(f"ceilings: {ceilings['bandwidth_gbps']} GB/s, {ceilings['tflops']} TFLOP/s ({ceilings['source']})")
+
+        from . import quant
+
+        phase = "building weights"
+        log("building weights ...")
+        t0 = time.perf_counter()
+        weights = quant.random_weights(settings.shape, device, seed=settings.args.seed)
+        _synchronize(device)
+        log(f"weights: {weights.nbytes() / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s")
+        phase = f"preparing backend {settings.args.backend}"
+        try:
+            backend = create_backend(settings.args.backend, weights, settings.max_m, dtype)
+        except BackendUnavailable as error:
+            raise EnvironmentFailure(str(error)) from None
+        except ValueError as error:
+            raise EnvironmentFailure(f"backend {settings.args.backend} cannot run this shape: {error}") from None
+        timing_info = {"method": None, "routings": ROUTINGS[settings.device_kind], "notes": []}
+
+        phase = "checking correctness"
+        log("checking correctness ...")
+        check_correctness(settings, backend, weights, dtype, device, writer)
+
+        fail_at = os.environ.get(_FAULT_INJECTION_ENV)
+        total = len(settings.m_list)
+        for index, m in enumerate(settings.m_list, start=1):
+            if fail_at is not None and m == int(fail_at):
+                raise RuntimeFailure(f"injected failure at M={m} ({_FAULT_INJECTION_ENV})")
+            phase = f"timing M={m}"
+            compile_s, measured = time_one_m(settings, backend, m, dtype, device)
+            row = perfmodel.result_row(settings.shape, m, measured.us, measured.us_p20, measured.us_p80, compile_s,
+                                       ceilings["bandwidth_gbps"], ceilings["tflops"])
+            timing_info["method"] = measured.method
+            for note in measured.notes:
+                timing_info["notes"].append(f"M={m}: {note}")
+                log(f"note M={m}: {note}")
+            writer.set_timing(timing_info)
+            writer.add_result(row)
+            log(f"M={m} ({index}/{total}) {row['us']:.1f} us {row['us_per_token']:.2f} us/token "
+                f"{row['pct_of_floor']:.1f}% of floor elapsed {time.perf_counter() - started:.1f} s")
+        writer.complete()
+        log(f"complete: {total} M values in {time.perf_counter() - started:.1f} s"
+            + (f", results in {settings.args.out}" if settings.args.out else ""))
+        return EXIT_OK
+    except HarnessError as error:
+        return _fail(writer, error.kind, str(error), error.exit_code)
+    except KeyboardInterrupt:
+        return _fail(writer, "runtime", "interrupted", EXIT_RUNTIME)
+    except Exception as error:  # anything else on the device: out of memory, CUDA errors
+        traceback.print_exc(file=sys.stderr)
+        kind_text = "out of memory" if "out of memory" in str(error).lower() else type(error).__name__
+        return _fail(writer, "runtime", f"{kind_text} while {phase}: {error}".strip(), EXIT_RUNTIME)
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def _open_device(settings: Settings):
+    import torch
+
+    device = torch.device(settings.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise EnvironmentFailure(
+                f"{settings.device} requested but torch {torch.__version__} sees no CUDA device "
+                "(CPU-only torch build, driver problem, or CUDA_VISIBLE_DEVICES empty)"
+            )
+        count = torch.cuda.device_count()
+        index = device.index or 0
+        if index >= count:
+            raise EnvironmentFailure(f"{settings.device} requested but only {count} CUDA device(s) are visible")
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+    return device
+
+
+def _fail(writer, kind: str, message: str, exit_code: int) -> int:
+    print(f"moe_bench failed ({kind}, exit {exit_code}): {message}", file=sys.stderr, flush=True)
+    log(f"failed ({kind}): {message}")
+    if writer is not None:
+        try:
+            writer.fail(kind, message, exit_code)
+        except OSError as error:
+            print(f"moe_bench: could not record the failure in the results file: {error}", file=sys.stderr)
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = parse_settings(argv)
+    except SystemExit as exit_:  # argparse: 0 for --help, 2 for bad arguments
+        return int(exit_.code or 0)
+    if settings.args.estimate:
+        print(json.dumps(settings.estimate(), sort_keys=True))
+        return EXIT_OK
+    if settings.args.preflight:
+        from .preflight import run_preflight
+
+        return run_preflight(settings)
+    return run_benchmark(settings)

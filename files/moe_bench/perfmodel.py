@@ -1,0 +1,164 @@
+"""The numbers a report shows, as pure functions of the layer shape and M.
+
+Model of one MoE forward over M tokens (bf16 activations, INT4 weights with bf16 scales):
+  bytes  = expected distinct experts * bytes of one expert + activations in and out
+  flops  = 2 * M * topk * (hidden * 2 * inter + inter * hidden)
+  floor  = max(bytes / bandwidth, flops / peak)  the fastest any kernel could run on the device
+Intermediates (gate/up products, routing metadata) are not counted: a fused kernel can keep
+them on chip, so the floor does not charge for them.
+
+Also the device-memory estimate the playbook gates on before it stops the service.
+Standard library only: the controller and `--estimate` use it without torch.
+"""
+
+from __future__ import annotations
+
+from .quant import MoEShape, weights_bytes
+
+ACTIVATION_BYTES = 2  # bf16
+FLOAT32_BYTES = 4
+GIB = 1024**3
+MIB = 1024**2
+
+# CUDA context, cuBLAS workspace, Triton/CUDA modules and allocator slack per process.
+CONTEXT_BYTES = 1 * GIB
+# Buffers the ceiling measurement uses (device copy source+destination, three matmul operands).
+CEILING_COPY_BYTES = 512 * MIB
+CEILING_MATMUL_SIZE = 8192
+
+
+def expert_bytes(shape: MoEShape) -> int:
+    """Bytes of one expert's packed int4 weights plus bf16 scales (w13 and w2)."""
+    return weights_bytes(MoEShape(1, shape.hidden, shape.inter, 1, shape.group_size))
+
+
+def expected_distinct_experts(shape: MoEShape, m: int) -> float:
+    """Expected number of experts touched by m tokens, each picking topk distinct experts uniformly."""
+    if m <= 0:
+        return 0.0
+    return shape.experts * (1.0 - (1.0 - shape.topk / shape.experts) ** m)
+
+
+def activation_io_bytes(shape: MoEShape, m: int) -> int:
+    """Tokens read in and the combined output written, bf16."""
+    return 2 * m * shape.hidden * ACTIVATION_BYTES
+
+
+def bytes_moved(shape: MoEShape, m: int) -> float:
+    return expected_distinct_experts(shape, m) * expert_bytes(shape) + activation_io_bytes(shape, m)
+
+
+def flops(shape: MoEShape, m: int) -> int:
+    per_token_expert = shape.hidden * 2 * shape.inter + shape.inter * shape.hidden
+    return 2 * m * shape.topk * per_token_expert
+
+
+def floor_us(shape: MoEShape, m: int, bandwidth_gbps: float, tflops: float) -> float:
+    if bandwidth_gbps <= 0 or tflops <= 0:
+        raise ValueError("ceilings must be positive")
+    memory_us = bytes_moved(shape, m) / (bandwidth_gbps * 1e9) * 1e6
+    compute_us = flops(shape, m) / (tflops * 1e12) * 1e6
+    return max(memory_us, compute_us)
+
+
+def pct_of_floor(measured_us: float, floor: float) -> float:
+    """How close a measurement is to the floor: 100 means the device limit was reached."""
+    if measured_us <= 0:
+        raise ValueError("measured time must be positive")
+    return 100.0 * floor / measured_us
+
+
+def result_row(shape: MoEShape, m: int, us: float, us_p20: float, us_p80: float, compile_s: float,
+               bandwidth_gbps: float, tflops_ceiling: float) -> dict:
+    """One row of the results table (schema RESULT_FIELDS) from a measured median time."""
+    moved = bytes_moved(shape, m)
+    work = flops(shape, m)
+    floor = floor_us(shape, m, bandwidth_gbps, tflops_ceiling)
+    return {
+        "m": m,
+        "us": round(us, 3),
+        "us_p20": round(us_p20, 3),
+        "us_p80": round(us_p80, 3),
+        "us_per_token": round(us / m, 4),
+        "bytes": int(round(moved)),
+        "flops": work,
+        "gbps": round(moved / (us * 1e-6) / 1e9, 2),
+        "tflops": round(work / (us * 1e-6) / 1e12, 3),
+        "floor_us": round(floor, 3),
+        "pct_of_floor": round(pct_of_floor(us, floor), 2),
+        "compile_s": round(compile_s, 3),
+        "distinct_experts": round(expected_distinct_experts(shape, m), 2),
+    }
+
+
+# ---- device memory estimate -------------------------------------------------------------
+
+def dequantized_weights_bytes(shape: MoEShape, element_bytes: int = ACTIVATION_BYTES) -> int:
+    """All experts' weights dequantized (the torch backend's speed path keeps them so)."""
+    return shape.experts * 3 * shape.hidden * shape.inter * element_bytes
+
+
+def fused_moe_workspace_bytes(shape: MoEShape, m: int, block_m: int = 128) -> int:
+    """Upper bound of a fused MoE's scratch for m tokens: token-to-expert sort padded to block_m
+    per expert (int32 ids, block expert ids), the gate/up product and the activated product in
+    bf16, and the per-(token, k) output before the top-k sum in fp32."""
+    assignments = m * shape.topk
+    padded = assignments + shape.experts * (block_m - 1)
+    sort_bytes = 4 * (padded + padded // block_m + 1 + shape.experts + 1)
+    gate_up = padded * 2 * shape.inter * ACTIVATION_BYTES
+    activated = padded * shape.inter * ACTIVATION_BYTES
+    down = assignments * shape.hidden * FLOAT32_BYTES
+    return sort_bytes + gate_up + activated + down
+
+
+def reference_check_bytes(shape: MoEShape, m: int) -> int:
+    """The float32 reference: one expert dequantized at a time, tokens and output in float32."""
+    one_expert = 3 * shape.hidden * shape.inter * FLOAT32_BYTES
+    tokens = 3 * m * shape.hidden * FLOAT32_BYTES  # input, output, one expert's contribution
+    gathered = m * shape.topk * (2 * shape.inter + shape.hidden) * FLOAT32_BYTES
+    return one_expert + tokens + gathered
+
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def estimate(shape: MoEShape, backend: str, max_m: int, routings: int, device_kind: str = "cuda",
+             backend_workspace_bytes: int | None = None, config: dict | None = None,
+             dtype: str = "bfloat16") -> dict:
+    """Device bytes a run needs, without touching a device.
+
+    weights: the packed int4 weights, plus a dequantized copy (activation dtype) for the torch backend.
+    activations: one set of inputs/outputs per rotated routing at the largest M.
+    workspace: the larger of the backend's scratch for all routings' graphs and the phases that
+    run alone (ceiling measurement, the float32 correctness reference).
+    context: the CUDA context allowance (0 on the CPU).
+    """
+    element = DTYPE_BYTES[dtype]
+    weights = weights_bytes(shape)
+    if backend == "torch":
+        weights += dequantized_weights_bytes(shape, element)
+    per_routing = (
+        2 * max_m * shape.hidden * element  # tokens in, output
+        + max_m * shape.topk * (4 + 4)  # int32 ids, float32 weights
+    )
+    activations = routings * per_routing
+    if backend_workspace_bytes is None:
+        backend_workspace_bytes = fused_moe_workspace_bytes(shape, max_m)
+    ceiling_bytes = 2 * CEILING_COPY_BYTES + 3 * CEILING_MATMUL_SIZE**2 * ACTIVATION_BYTES
+    workspace = max(
+        # captured graphs share one memory pool and replay one after another: one scratch set
+        backend_workspace_bytes + per_routing,
+        reference_check_bytes(shape, max_m) + per_routing,
+        ceiling_bytes if device_kind == "cuda" else 0,
+    )
+    context = CONTEXT_BYTES if device_kind == "cuda" else 0
+    total = weights + activations + workspace + context
+    return {
+        "weights_bytes": int(weights),
+        "activations_bytes": int(activations),
+        "workspace_bytes": int(workspace),
+        "context_bytes": int(context),
+        "total_bytes": int(total),
+        "total_mib": int(-(-total // MIB)),
+        "config": dict(config or {}),
+    }

@@ -1,0 +1,598 @@
+"""The payload's own fused W4A16 MoE forward, written in Triton.
+
+One forward is five launches, all with shapes fixed by M (CUDA-graph capturable: no host
+synchronisation, no data-dependent shapes; programs past the rows in use exit at once):
+
+  1. _align_kernel (one program): count the (token, k) slots per expert, pad each expert's
+     count to a multiple of BLOCK_M, and store each expert's count and start and end of its
+     range of sorted rows.
+  2. _scatter_kernel: place every slot at its expert's next free sorted position (atomic
+     cursors: the order inside an expert is free, every row is computed independently, so the
+     result does not depend on it).
+  3. _gemm1_kernel: one block of BLOCK_M sorted rows (one expert, found from the ends) by one
+     tile of intermediate columns: the gate and up tiles of w13 against the gathered activation
+     rows, int4 unpacked in registers, SiLU(gate) * up in the epilogue.
+  4. _gemm2_kernel: the intermediate block against w2, scaled by each slot's top-k weight in
+     the epilogue, stored per slot.
+  5. _topk_sum_kernel: each token's sum over its top-k slots, in float32.
+
+Weights are in the packed layout of quant.py: uint8 [E, K, N // 2], two N-neighbours per
+byte (low nibble first, stored as q + 8), bf16 scales [E, K // group, N]. The kernels never
+interleave the two nibbles: the low nibbles are the even output columns and the high ones
+the odd columns, each with its own accumulator, interleaved only when the result is stored.
+A nibble becomes a number without an integer conversion: written under the bf16 exponent of
+128 it reads as 128 + (q + 8), so q = that - 136.
+
+Constraints (ValueError otherwise): group size a power of two, at least 16; hidden and inter
+multiples of 32 and of the group size. Tiles come from TILE_TABLE per M, shrunk to divide the
+shape. Activations: bf16 on a GPU; float16 / float32 work too (the CPU tests use them under
+TRITON_INTERPRET=1, whose tl.dot is wrong on bf16).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import quant
+
+# ---------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _align_kernel(
+    topk_ids_ptr,
+    num_slots,
+    num_experts,
+    counts_ptr,
+    starts_ptr,
+    ends_ptr,
+    cursor_ptr,
+    BLOCK_M: tl.constexpr,
+    NUM_BINS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Per expert: slot count, and start/end of its range of sorted rows padded to BLOCK_M."""
+    bins = tl.arange(0, NUM_BINS)
+    counts = tl.zeros([NUM_BINS], dtype=tl.int32)
+    for start in range(0, num_slots, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        # Out-of-range lanes go to the last bin, which is never an expert (NUM_BINS > E).
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_slots, other=NUM_BINS - 1)
+        counts += tl.histogram(ids, NUM_BINS)
+    counts = tl.where(bins < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    is_expert = bins < num_experts
+    tl.store(counts_ptr + bins, counts, mask=is_expert)
+    tl.store(starts_ptr + bins, starts, mask=is_expert)
+    tl.store(cursor_ptr + bins, starts, mask=is_expert)
+    # Past the last expert the end is "never": blocks beyond the used rows find no owner.
+    tl.store(ends_ptr + bins, tl.where(is_expert, ends, 0x7FFFFFFF))
+
+
+@triton.jit
+def _scatter_kernel(topk_ids_ptr, num_slots, cursor_ptr, sorted_slot_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < num_slots
+    ids = tl.load(topk_ids_ptr + offs, mask=valid, other=0)
+    pos = tl.atomic_add(cursor_ptr + ids, 1, mask=valid)
+    tl.store(sorted_slot_ptr + pos, offs, mask=valid)
+
+
+@triton.jit
+def _block_owner(pid_b, counts_ptr, starts_ptr, ends_ptr, num_experts, BLOCK_M: tl.constexpr,
+                 NUM_BINS: tl.constexpr):
+    """(expert, real rows) of sorted block pid_b; rows is 0 for a block past the used ones."""
+    first_row = pid_b * BLOCK_M
+    ends = tl.load(ends_ptr + tl.arange(0, NUM_BINS))
+    # Experts whose padded range ends at or before this block come before its owner.
+    expert = tl.sum((ends <= first_row).to(tl.int32), axis=0)
+    owned = expert < num_experts
+    safe = tl.minimum(expert, num_experts - 1)
+    count = tl.load(counts_ptr + safe)
+    start = tl.load(starts_ptr + safe)
+    rows = tl.minimum(tl.maximum(count - (first_row - start), 0), BLOCK_M)
+    return safe, tl.where(owned, rows, 0)
+
+
+@triton.jit
+def _group_step(a, p, s_lo, s_hi, acc_lo, acc_hi, POST_SCALE: tl.constexpr, SWAP_AB: tl.constexpr):
+    """Add one reduction step: a [BM, BK] activations, p [BK, BN/2] packed bytes, acc_lo / acc_hi
+    the even / odd output columns ([BM, BN/2], or [BN/2, BM] when SWAP_AB). With POST_SCALE the
+    step is exactly one group (BK = G) and s_lo / s_hi are the [BN/2] float32 scales of the even
+    / odd columns; without it they are [BK or 1, BN/2] tiles, one scale per weight row.
+
+    A nibble u becomes the bf16 number 128 + u by writing it under the exponent of 128 (0x4300):
+    no integer-to-float conversion. q = u - 8, so the weight is (that number - 136) * scale."""
+    p16 = p.to(tl.uint16)
+    lo = ((p16 & 0xF) | 0x4300).to(tl.bfloat16, bitcast=True)
+    hi = ((p16 >> 4) | 0x4300).to(tl.bfloat16, bitcast=True)
+    if POST_SCALE:
+        # Dot on the shifted integers, then per column: (a . (q + 136) - 136 * sum(a)) * scale.
+        lo = lo.to(a.dtype)
+        hi = hi.to(a.dtype)
+        shift = 136.0 * tl.sum(a.to(tl.float32), axis=1)
+        if SWAP_AB:
+            at = tl.trans(a)
+            d_lo = tl.dot(tl.trans(lo), at)
+            d_hi = tl.dot(tl.trans(hi), at)
+            acc_lo += (d_lo - shift[None, :]) * s_lo[:, None]
+            acc_hi += (d_hi - shift[None, :]) * s_hi[:, None]
+        else:
+            d_lo = tl.dot(a, lo)
+            d_hi = tl.dot(a, hi)
+            acc_lo += (d_lo - shift[:, None]) * s_lo[None, :]
+            acc_hi += (d_hi - shift[:, None]) * s_hi[None, :]
+    else:
+        # Dequantise the tile (here s_lo / s_hi are 2-D, one scale per weight): one fused
+        # multiply-add per weight, exact before the final rounding.
+        w_lo = (lo.to(tl.float32) * s_lo - 136.0 * s_lo).to(a.dtype)
+        w_hi = (hi.to(tl.float32) * s_hi - 136.0 * s_hi).to(a.dtype)
+        if SWAP_AB:
+            at = tl.trans(a)
+            acc_lo = tl.dot(tl.trans(w_lo), at, acc_lo)
+            acc_hi = tl.dot(tl.trans(w_hi), at, acc_hi)
+        else:
+            acc_lo = tl.dot(a, w_lo, acc_lo)
+            acc_hi = tl.dot(a, w_hi, acc_hi)
+    return acc_lo, acc_hi
+
+
+@triton.jit
+def _scale_tile(s_ptrs, GROUPS: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr):
+    """Scales of GROUPS consecutive groups ([GROUPS, 2 * HALF] contiguous rows), as two
+    [GROUPS * GROUP, HALF] float32 tiles (even and odd columns), one row per weight row."""
+    s = tl.load(s_ptrs).to(tl.float32)
+    s_lo, s_hi = tl.split(s.reshape(GROUPS, HALF, 2))
+    s_lo = tl.broadcast_to(s_lo[:, None, :], (GROUPS, GROUP, HALF)).reshape(GROUPS * GROUP, HALF)
+    s_hi = tl.broadcast_to(s_hi[:, None, :], (GROUPS, GROUP, HALF)).reshape(GROUPS * GROUP, HALF)
+    return s_lo, s_hi
+
+
+@triton.jit
+def _gemm1_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    sorted_slot_ptr,
+    counts_ptr,
+    starts_ptr,
+    ends_ptr,
+    num_experts,
+    K,
+    INTER,
+    stride_xm,
+    stride_we,
+    stride_wk,
+    stride_se,
+    stride_sg,
+    stride_om,
+    TOPK: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUPS_PER_STEP: tl.constexpr,
+    NUM_BINS: tl.constexpr,
+    POST_SCALE: tl.constexpr,
+    WHOLE_TILE: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+):
+    """One block of sorted rows x one tile of BLOCK_N intermediate columns: gate and up tiles
+    from w13 (columns n and INTER + n), SiLU(gate) * up stored per sorted row."""
+    pid = tl.program_id(0)
+    num_n = INTER // BLOCK_N
+    pid_b = pid // num_n
+    pid_n = pid % num_n
+    expert, rows_used = _block_owner(pid_b, counts_ptr, starts_ptr, ends_ptr, num_experts, BLOCK_M, NUM_BINS)
+    if rows_used == 0:
+        return
+    expert = expert.to(tl.int64)
+    HALF: tl.constexpr = BLOCK_N // 2
+
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < rows_used
+    slot = tl.load(sorted_slot_ptr + pid_b * BLOCK_M + offs_m, mask=row_ok, other=0)
+    token = (slot // TOPK).to(tl.int64)
+    offs_g = tl.arange(0, GROUP)
+    a_ptrs = x_ptr + token[:, None] * stride_xm + offs_g[None, :]
+
+    offs_j = tl.arange(0, HALF)
+    wg_ptrs = w_ptr + expert * stride_we + offs_g[:, None] * stride_wk + (pid_n * HALF + offs_j)[None, :]
+    wu_ptrs = wg_ptrs + INTER // 2
+    even_n = pid_n * BLOCK_N + 2 * offs_j
+    # Scales are loaded as whole contiguous rows (so the loads pipeline) and split in registers.
+    sg_ptrs = s_ptr + expert * stride_se + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    su_ptrs = sg_ptrs + INTER
+
+    if SWAP_AB:
+        g_lo = tl.zeros((HALF, BLOCK_M), dtype=tl.float32)
+        g_hi = tl.zeros((HALF, BLOCK_M), dtype=tl.float32)
+        u_lo = tl.zeros((HALF, BLOCK_M), dtype=tl.float32)
+        u_hi = tl.zeros((HALF, BLOCK_M), dtype=tl.float32)
+    else:
+        g_lo = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+        g_hi = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+        u_lo = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+        u_hi = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+    BLOCK_K: tl.constexpr = GROUPS_PER_STEP * GROUP
+    offs_k = tl.arange(0, BLOCK_K)
+    ak_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
+    wgk_ptrs = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk + (pid_n * HALF + offs_j)[None, :]
+    wuk_ptrs = wgk_ptrs + INTER // 2
+    sgk_ptrs = sg_ptrs[None, :] + tl.arange(0, GROUPS_PER_STEP)[:, None] * stride_sg
+    suk_ptrs = sgk_ptrs + INTER
+    for group0 in range(0, K // GROUP, GROUPS_PER_STEP):
+        if POST_SCALE or not WHOLE_TILE:
+            for gi in tl.static_range(GROUPS_PER_STEP):
+                group = group0 + gi
+                a = tl.load(a_ptrs + group * GROUP, mask=row_ok[:, None], other=0.0)
+                pg = tl.load(wg_ptrs + group * GROUP * stride_wk)
+                pu = tl.load(wu_ptrs + group * GROUP * stride_wk)
+                s_row = group * stride_sg
+                sg_lo, sg_hi = tl.split(tl.load(sg_ptrs + s_row).to(tl.float32).reshape(HALF, 2))
+                su_lo, su_hi = tl.split(tl.load(su_ptrs + s_row).to(tl.float32).reshape(HALF, 2))
+                if not POST_SCALE:
+                    sg_lo = sg_lo[None, :]
+                    sg_hi = sg_hi[None, :]
+                    su_lo = su_lo[None, :]
+                    su_hi = su_hi[None, :]
+                g_lo, g_hi = _group_step(a, pg, sg_lo, sg_hi, g_lo, g_hi, POST_SCALE, SWAP_AB)
+                u_lo, u_hi = _group_step(a, pu, su_lo, su_hi, u_lo, u_hi, POST_SCALE, SWAP_AB)
+        else:
+            # One tile of GROUPS_PER_STEP groups, each weight scaled before a single dot.
+            k0 = group0 * GROUP
+            a = tl.load(ak_ptrs + k0, mask=row_ok[:, None], other=0.0)
+            pg = tl.load(wgk_ptrs + k0 * stride_wk)
+            pu = tl.load(wuk_ptrs + k0 * stride_wk)
+            sg_lo, sg_hi = _scale_tile(sgk_ptrs + group0 * stride_sg, GROUPS_PER_STEP, GROUP, HALF)
+            su_lo, su_hi = _scale_tile(suk_ptrs + group0 * stride_sg, GROUPS_PER_STEP, GROUP, HALF)
+            g_lo, g_hi = _group_step(a, pg, sg_lo, sg_hi, g_lo, g_hi, POST_SCALE, SWAP_AB)
+            u_lo, u_hi = _group_step(a, pu, su_lo, su_hi, u_lo, u_hi, POST_SCALE, SWAP_AB)
+    if SWAP_AB:
+        g_lo = tl.trans(g_lo)
+        g_hi = tl.trans(g_hi)
+        u_lo = tl.trans(u_lo)
+        u_hi = tl.trans(u_hi)
+    h_lo = g_lo * tl.sigmoid(g_lo) * u_lo
+    h_hi = g_hi * tl.sigmoid(g_hi) * u_hi
+    out_rows = (pid_b * BLOCK_M + offs_m).to(tl.int64)
+    out_ptrs = out_ptr + out_rows[:, None] * stride_om + even_n[None, :]
+    tl.store(out_ptrs, h_lo.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(out_ptrs + 1, h_hi.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _gemm2_kernel(
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    topk_weights_ptr,
+    sorted_slot_ptr,
+    counts_ptr,
+    starts_ptr,
+    ends_ptr,
+    num_experts,
+    K,
+    N,
+    stride_am,
+    stride_we,
+    stride_wk,
+    stride_se,
+    stride_sg,
+    stride_om,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUPS_PER_STEP: tl.constexpr,
+    NUM_BINS: tl.constexpr,
+    POST_SCALE: tl.constexpr,
+    WHOLE_TILE: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+):
+    """One block of sorted rows x one tile of BLOCK_N output columns of w2, times each slot's
+    top-k weight, stored per slot."""
+    pid = tl.program_id(0)
+    num_n = N // BLOCK_N
+    pid_b = pid // num_n
+    pid_n = pid % num_n
+    expert, rows_used = _block_owner(pid_b, counts_ptr, starts_ptr, ends_ptr, num_experts, BLOCK_M, NUM_BINS)
+    if rows_used == 0:
+        return
+    expert = expert.to(tl.int64)
+    HALF: tl.constexpr = BLOCK_N // 2
+
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < rows_used
+    a_rows = (pid_b * BLOCK_M + offs_m).to(tl.int64)
+    offs_g = tl.arange(0, GROUP)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_g[None, :]
+
+    offs_j = tl.arange(0, HALF)
+    w_ptrs = w_ptr + expert * stride_we + offs_g[:, None] * stride_wk + (pid_n * HALF + offs_j)[None, :]
+    even_n = pid_n * BLOCK_N + 2 * offs_j
+    s_ptrs = s_ptr + expert * stride_se + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+    if SWAP_AB:
+        acc_lo = tl.zeros((HALF, BLOCK_M), dtype=tl.float32)
+        acc_hi = tl.zeros((HALF, BLOCK_M), dtype=tl.float32)
+    else:
+        acc_lo = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+        acc_hi = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+    BLOCK_K: tl.constexpr = GROUPS_PER_STEP * GROUP
+    offs_k = tl.arange(0, BLOCK_K)
+    ak_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    wk_ptrs = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk + (pid_n * HALF + offs_j)[None, :]
+    sk_ptrs = s_ptrs[None, :] + tl.arange(0, GROUPS_PER_STEP)[:, None] * stride_sg
+    for group0 in range(0, K // GROUP, GROUPS_PER_STEP):
+        if POST_SCALE or not WHOLE_TILE:
+            for gi in tl.static_range(GROUPS_PER_STEP):
+                group = group0 + gi
+                a = tl.load(a_ptrs + group * GROUP, mask=row_ok[:, None], other=0.0)
+                p = tl.load(w_ptrs + group * GROUP * stride_wk)
+                s_lo, s_hi = tl.split(tl.load(s_ptrs + group * stride_sg).to(tl.float32).reshape(HALF, 2))
+                if not POST_SCALE:
+                    s_lo = s_lo[None, :]
+                    s_hi = s_hi[None, :]
+                acc_lo, acc_hi = _group_step(a, p, s_lo, s_hi, acc_lo, acc_hi, POST_SCALE, SWAP_AB)
+        else:
+            k0 = group0 * GROUP
+            a = tl.load(ak_ptrs + k0, mask=row_ok[:, None], other=0.0)
+            p = tl.load(wk_ptrs + k0 * stride_wk)
+            s_lo, s_hi = _scale_tile(sk_ptrs + group0 * stride_sg, GROUPS_PER_STEP, GROUP, HALF)
+            acc_lo, acc_hi = _group_step(a, p, s_lo, s_hi, acc_lo, acc_hi, POST_SCALE, SWAP_AB)
+    if SWAP_AB:
+        acc_lo = tl.trans(acc_lo)
+        acc_hi = tl.trans(acc_hi)
+    slot = tl.load(sorted_slot_ptr + pid_b * BLOCK_M + offs_m, mask=row_ok, other=0)
+    weight = tl.load(topk_weights_ptr + slot, mask=row_ok, other=0.0)
+    out_ptrs = out_ptr + slot.to(tl.int64)[:, None] * stride_om + even_n[None, :]
+    tl.store(out_ptrs, (acc_lo * weight[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(out_ptrs + 1, (acc_hi * weight[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _topk_sum_kernel(slots_ptr, out_ptr, N, TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        acc += tl.load(slots_ptr + (token * TOPK + k) * N + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------
+# Tile configurations
+# ---------------------------------------------------------------------------
+
+# Per M bucket (largest M the row covers): rows per block (shared by both GEMMs), then per
+# GEMM: bn columns per program, bk reduction rows per pipelined step (a multiple of the group
+# size), warps, pipeline stages, and how the int4 tile meets the tensor core:
+#   post   the dot runs on the integers, scales are applied to its result once per group
+#          (cheapest when a block has few rows);
+#   whole  (without post) the whole bk x bn tile is dequantised before one dot per step;
+#          otherwise one dequantised group at a time;
+#   swap   the dot is issued transposed, the weight tile as its left operand.
+# Chosen on one H200 at the kimi-k2.6 shape with tools/kernel_sweep.py; PERFORMANCE.md has the
+# sweep behind each row.
+TILE_TABLE: list[tuple[int, dict]] = [
+    (512, dict(block_m=16, g1=dict(bn=64, bk=128, warps=4, stages=4, post=True, whole=False, swap=False),
+               g2=dict(bn=128, bk=128, warps=4, stages=4, post=True, whole=False, swap=False))),
+    (1024, dict(block_m=32, g1=dict(bn=128, bk=64, warps=8, stages=4, post=False, whole=False, swap=False),
+                g2=dict(bn=128, bk=128, warps=8, stages=3, post=False, whole=False, swap=False))),
+    (1 << 62, dict(block_m=64, g1=dict(bn=64, bk=128, warps=4, stages=3, post=False, whole=True, swap=False),
+                   g2=dict(bn=64, bk=128, warps=4, stages=3, post=False, whole=True, swap=False))),
+]
+
+
+def _largest_dividing(preferred: int, size: int, floor: int) -> int:
+    tile = max(preferred, floor)
+    while tile > floor and size % tile:
+        tile //= 2
+    if size % tile:
+        raise ValueError(f"no tile of at least {floor} divides {size}")
+    return tile
+
+
+def _check_shape(shape: quant.MoEShape) -> None:
+    shape.validate()
+    group = shape.group_size
+    if group < 16 or group & (group - 1):
+        raise ValueError(
+            f"the triton backend needs a power-of-two group size of at least 16, got {group}; "
+            "use --backend torch for this shape"
+        )
+    for name in ("hidden", "inter"):
+        if getattr(shape, name) % 32:
+            raise ValueError(
+                f"the triton backend needs {name} to be a multiple of 32, got {getattr(shape, name)}; "
+                "use --backend torch for this shape"
+            )
+
+
+def _fit(gemm: dict, k: int, n: int, group: int) -> dict:
+    """Shrink a table entry's tiles until they divide this GEMM's k and n."""
+    bn = _largest_dividing(gemm["bn"], n, 32)
+    # The K step is whole groups: k is a multiple of the group, so the group itself always fits.
+    bk = group * _largest_dividing(max(1, gemm["bk"] // group), k // group, 1)
+    return dict(gemm, bn=bn, bk=bk)
+
+
+def _config_for(shape: quant.MoEShape, m: int, table=None) -> dict:
+    table = TILE_TABLE if table is None else table
+    for limit, entry in table:
+        if m <= limit:
+            break
+    return dict(
+        block_m=entry["block_m"],
+        g1=_fit(entry["g1"], shape.hidden, shape.inter, shape.group_size),
+        g2=_fit(entry["g2"], shape.inter, shape.hidden, shape.group_size),
+    )
+
+
+def tile_configs(shape: quant.MoEShape, m_list) -> dict[int, dict]:
+    """The tile configuration each M runs with at this shape."""
+    _check_shape(shape)
+    return {int(m): _config_for(shape, int(m)) for m in m_list}
+
+
+def _padded_rows(shape: quant.MoEShape, m: int, block_m: int) -> int:
+    slots = m * shape.topk
+    return slots + min(shape.experts, slots) * (block_m - 1)
+
+
+def _max_block_m(m: int, table=None) -> int:
+    table = TILE_TABLE if table is None else table
+    largest = 0
+    for limit, entry in table:
+        largest = max(largest, entry["block_m"])
+        if m <= limit:
+            break
+    return largest
+
+
+def workspace_bytes(shape: quant.MoEShape, m: int, dtype_bytes: int = 2) -> int:
+    """Device bytes of the workspace for up to m tokens, output excluded."""
+    block_m = _max_block_m(m)
+    padded = _padded_rows(shape, m, block_m)
+    return (
+        4 * (padded + 4 * shape.experts + 1024)  # sorted slots, per-expert counts/starts/ends/cursors
+        + padded * shape.inter * dtype_bytes  # SiLU(gate) * up per sorted row
+        + m * shape.topk * shape.hidden * dtype_bytes  # weighted GEMM2 output per slot
+    )
+
+
+# ---------------------------------------------------------------------------
+# The backend
+# ---------------------------------------------------------------------------
+
+
+class TritonW4A16MoE:
+    """Fused W4A16 MoE forward on packed int4 weights; see the module docstring."""
+
+    def __init__(self, weights: quant.MoEWeights, max_m: int, table=None):
+        _check_shape(weights.shape)
+        if max_m < 1:
+            raise ValueError(f"max_m must be at least 1, got {max_m}")
+        self.weights = weights
+        self.shape = weights.shape
+        self.max_m = max_m
+        self.table = TILE_TABLE if table is None else table
+        self._workspace: dict[torch.dtype, dict] = {}
+        device = weights.w13.packed.device
+        block_m = _max_block_m(max_m, self.table)
+        self._max_padded = _padded_rows(self.shape, max_m, block_m)
+        e = self.shape.experts
+        self._num_bins = triton.next_power_of_2(e + 1)
+        self._sorted_slot = torch.empty(self._max_padded, dtype=torch.int32, device=device)
+        self._counts = torch.empty(e, dtype=torch.int32, device=device)
+        self._starts = torch.empty(e, dtype=torch.int32, device=device)
+        self._ends = torch.empty(self._num_bins, dtype=torch.int32, device=device)
+        self._cursor = torch.empty(e, dtype=torch.int32, device=device)
+        self._device = device
+        # The activation-sized buffers depend on x's dtype: made on first use per dtype
+        # (outside a graph capture: the harness warms up before capturing).
+
+    def _buffers(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if dtype not in self._workspace:
+            self._workspace[dtype] = dict(
+                inter=torch.empty((self._max_padded, self.shape.inter), dtype=dtype, device=self._device),
+                slots=torch.empty((self.max_m * self.shape.topk, self.shape.hidden), dtype=dtype,
+                                  device=self._device),
+            )
+        ws = self._workspace[dtype]
+        return ws["inter"], ws["slots"]
+
+    def configs_used(self, m: int) -> dict:
+        return _config_for(self.shape, m, self.table)
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        self._check_inputs(x, topk_ids, topk_weights)
+        x = x.contiguous()
+        topk_ids = topk_ids.to(torch.int32).contiguous()
+        topk_weights = topk_weights.to(torch.float32).contiguous()
+        cfg = _config_for(self.shape, m, self.table)
+        self.align(topk_ids, cfg["block_m"])
+        self.gemm1(x, cfg["block_m"], cfg["g1"])
+        self.gemm2(x, topk_weights, cfg["block_m"], cfg["g2"])
+        return self.topk_sum(x)
+
+    def _check_inputs(self, x, topk_ids, topk_weights) -> None:
+        shape = self.shape
+        m = x.shape[0]
+        if m < 1 or m > self.max_m:
+            raise ValueError(f"M={m} is outside 1..{self.max_m} (max_m given at construction)")
+        if x.dim() != 2 or x.shape[1] != shape.hidden:
+            raise ValueError(f"x must be [M, {shape.hidden}], got {list(x.shape)}")
+        if tuple(topk_ids.shape) != (m, shape.topk) or tuple(topk_weights.shape) != (m, shape.topk):
+            raise ValueError(f"topk_ids and topk_weights must be [{m}, {shape.topk}]")
+
+    # The stages below are public so a tuning script can time each one alone; each reads
+    # what the one before it left in the workspace.
+
+    def align(self, topk_ids: torch.Tensor, block_m: int) -> None:
+        """Group the M * topk slots by expert into blocks of block_m sorted rows."""
+        shape = self.shape
+        slots = topk_ids.numel()
+        self._m = slots // shape.topk
+        padded = _padded_rows(shape, self._m, block_m)
+        if padded > self._max_padded or block_m < 16:
+            raise ValueError(f"block_m={block_m} at M={self._m} needs more workspace than was allocated")
+        _align_kernel[(1,)](
+            topk_ids, slots, shape.experts, self._counts, self._starts, self._ends, self._cursor,
+            BLOCK_M=block_m, NUM_BINS=self._num_bins, CHUNK=1024, num_warps=8,
+        )
+        _scatter_kernel[(triton.cdiv(slots, 1024),)](
+            topk_ids, slots, self._cursor, self._sorted_slot, BLOCK=1024, num_warps=4,
+        )
+        self._blocks_now = triton.cdiv(padded, block_m)
+
+    def gemm1(self, x: torch.Tensor, block_m: int, g1: dict) -> None:
+        """SiLU(x @ gate) * (x @ up) per sorted row, into the intermediate buffer."""
+        shape = self.shape
+        w13 = self.weights.w13
+        inter_buf, _ = self._buffers(x.dtype)
+        _gemm1_kernel[(self._blocks_now * (shape.inter // g1["bn"]),)](
+            x, w13.packed, w13.scales, inter_buf, self._sorted_slot, self._counts, self._starts, self._ends,
+            shape.experts, shape.hidden, shape.inter,
+            x.stride(0), w13.packed.stride(0), w13.packed.stride(1), w13.scales.stride(0), w13.scales.stride(1),
+            inter_buf.stride(0),
+            TOPK=shape.topk, GROUP=shape.group_size, BLOCK_M=block_m, BLOCK_N=g1["bn"],
+            GROUPS_PER_STEP=g1["bk"] // shape.group_size, NUM_BINS=self._num_bins,
+            POST_SCALE=g1["post"], WHOLE_TILE=g1.get("whole", False), SWAP_AB=g1["swap"], num_warps=g1["warps"], num_stages=g1["stages"],
+        )
+
+    def gemm2(self, x: torch.Tensor, topk_weights: torch.Tensor, block_m: int, g2: dict) -> None:
+        """Intermediate @ w2 per sorted row, times the slot's top-k weight, into the per-slot buffer."""
+        shape = self.shape
+        w2 = self.weights.w2
+        inter_buf, slot_buf = self._buffers(x.dtype)
+        _gemm2_kernel[(self._blocks_now * (shape.hidden // g2["bn"]),)](
+            inter_buf, w2.packed, w2.scales, slot_buf, topk_weights, self._sorted_slot,
+            self._counts, self._starts, self._ends, shape.experts,
+            shape.inter, shape.hidden,
+            inter_buf.stride(0), w2.packed.stride(0), w2.packed.stride(1), w2.scales.stride(0), w2.scales.stride(1),
+            slot_buf.stride(0),
+            GROUP=shape.group_size, BLOCK_M=block_m, BLOCK_N=g2["bn"],
+            GROUPS_PER_STEP=g2["bk"] // shape.group_size, NUM_BINS=self._num_bins,
+            POST_SCALE=g2["post"], WHOLE_TILE=g2.get("whole", False), SWAP_AB=g2["swap"], num_warps=g2["warps"], num_stages=g2["stages"],
+        )
+
+    def topk_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Each token's output: the sum of its top-k weighted slot rows."""
+        shape = self.shape
+        _, slot_buf = self._buffers(x.dtype)
+        out = torch.empty((self._m, shape.hidden), dtype=x.dtype, device=x.device)
+        sum_block = min(1024, triton.next_power_of_2(shape.hidden))
+        _topk_sum_kernel[(self._m, triton.cdiv(shape.hidden, sum_block))](
+            slot_buf, out, shape.hidden, TOPK=shape.topk, BLOCK_N=sum_block, num_warps=4,
+        )
+        return out

@@ -1,0 +1,107 @@
+"""Command line: python -m moe_bench_report build --run-dir DIR --host HOST [options].
+
+Exit codes: 0 report written (a regression is reported, not an error); 2 bad arguments;
+3 the report could not be written (message on stderr says what and where).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .figures import DEFAULT_KNEE_GROWTH, DEFAULT_REGRESSION_THRESHOLD
+
+
+def _value(text: str):
+    """A key=value value: JSON when it parses (numbers, objects), the plain string otherwise."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < 10:
+        raise argparse.ArgumentTypeError(f"{text} is not a fraction > 0 (0.10 means 10%)")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="python -m moe_bench_report", description=__doc__.splitlines()[0])
+    commands = top.add_subparsers(dest="command", required=True)
+    build = commands.add_parser("build", help="write the report of one fetched run")
+    build.add_argument("--run-dir", required=True, type=Path, help="controller folder of the run: results/<host>/<run id>")
+    build.add_argument("--host", required=True, help="inventory hostname of the benchmarked host")
+    build.add_argument("--results", type=Path, help="results JSON (default RUN_DIR/results.json)")
+    build.add_argument("--results-root", type=Path, help="folder holding one folder per host (default: two levels above RUN_DIR)")
+    build.add_argument("--run-id", help="run id (default: moe_bench_plan.run_id from the timeline, else RUN_DIR's name)")
+    build.add_argument("--timeline-json", type=Path, help="JSON object: the timeline facts, moe_bench_plan and launch variables")
+    build.add_argument("--timeline", nargs="*", default=[], metavar="KEY=VALUE", help="timeline facts as key=value (override --timeline-json)")
+    build.add_argument("--threshold", type=_fraction, default=DEFAULT_REGRESSION_THRESHOLD,
+                       help="flag a slowdown beyond this fraction at any M (default 0.10)")
+    build.add_argument("--knee-growth", type=_fraction, default=DEFAULT_KNEE_GROWTH,
+                       help="knee rule: time growth per doubling of M below which the plateau starts (default 0.10)")
+    build.add_argument("--project-dir", type=Path, help="project checkout whose git commit the manifest records")
+    build.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    build.add_argument("--print", dest="print_format", choices=("text", "json"), default="text",
+                       help="stdout: the console summary (text) or the headline and console lines (json)")
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    arguments = parser().parse_args(argv)
+    given: dict = {}
+    if arguments.timeline_json is not None:
+        try:
+            given = json.loads(arguments.timeline_json.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as error:
+            print(f"moe_bench_report: cannot read --timeline-json {arguments.timeline_json}: {error}", file=sys.stderr)
+            return 2
+        if not isinstance(given, dict):
+            print(f"moe_bench_report: --timeline-json {arguments.timeline_json} is not a JSON object", file=sys.stderr)
+            return 2
+    for pair in arguments.timeline:
+        key, separator, value = pair.partition("=")
+        if not separator or not key:
+            print(f"moe_bench_report: --timeline wants KEY=VALUE, got {pair!r}", file=sys.stderr)
+            return 2
+        given[key] = _value(value)
+
+    from .build import build_report
+
+    try:
+        summary = build_report(
+            arguments.run_dir,
+            arguments.host,
+            given,
+            results_path=arguments.results,
+            results_root=arguments.results_root,
+            run_id=arguments.run_id,
+            threshold=arguments.threshold,
+            knee_growth=arguments.knee_growth,
+            project_dir=arguments.project_dir,
+            plots=not arguments.no_plots,
+        )
+    except (OSError, ValueError) as error:
+        print(
+            f"moe_bench_report: the report of host {arguments.host} in {arguments.run_dir} could not be written: {error}. "
+            "The benchmark results on disk are untouched; fix the cause and rerun: "
+            f"python -m moe_bench_report build --run-dir {arguments.run_dir} --host {arguments.host}",
+            file=sys.stderr,
+        )
+        return 3
+    if arguments.print_format == "json":
+        print(json.dumps({"headline": summary["headline"], "console": summary["console"]}))
+    else:
+        print("\n".join(summary["console"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

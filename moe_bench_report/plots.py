@@ -1,0 +1,219 @@
+"""The two pictures of a run: per-token cost against M, and total kernel time against M.
+
+Both on log-log axes (M doubles from point to point; times span two or three decades), with
+the floor drawn beside the measurement, the knee marked, the p20-p80 spread shaded, and, when
+there is one, the previous comparable run in grey with any M that got slower circled in red.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullLocator  # noqa: E402
+
+from .figures import floor_per_token, per_token, percent  # noqa: E402
+
+FIGURE_SIZE_IN = (10.0, 6.0)
+FIGURE_DPI = 100  # 1000 x 600 pixels
+MEASURED_COLOUR = "#1f77b4"
+FLOOR_COLOUR = "#d62728"
+BASELINE_COLOUR = "#7f7f7f"
+KNEE_COLOUR = "#2ca02c"
+SATURATION_COLOUR = "#9467bd"
+SLOWER_COLOUR = "#ff7f0e"
+
+
+def _m_axis(axes, ms: list[int]) -> None:
+    axes.set_xscale("log", base=2)
+    axes.xaxis.set_major_locator(FixedLocator(ms))
+    axes.xaxis.set_minor_locator(NullLocator())
+    axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{int(round(value))}"))
+    axes.set_xlabel("M: tokens in the batch (log scale)")
+    axes.grid(True, which="major", alpha=0.3)
+    axes.grid(True, which="minor", axis="y", alpha=0.12)
+
+
+def _title(axes, what: str, context: dict) -> None:
+    axes.set_title(
+        f"{what}: {context['host']} · {context['gpu']} · backend {context['backend']}\n"
+        f"{context['config']} · run {context['run_id']}",
+        fontsize=11,
+    )
+
+
+def _time_axis(axes, label: str) -> None:
+    # Ticks at 1, 2, 5 x 10^k labelled in plain numbers: values can be read off the picture.
+    axes.set_yscale("log")
+    axes.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axes.yaxis.set_minor_locator(NullLocator())
+    axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:,.10g}"))
+    axes.set_ylabel(label)
+
+
+def _mark_saturation(axes, saturation: dict | None) -> None:
+    if saturation:
+        axes.axvline(
+            saturation["m"],
+            color=SATURATION_COLOUR,
+            linestyle="-.",
+            linewidth=1.4,
+            label=f"saturation M={saturation['m']}: doubling M adds {saturation['growth_per_doubling'] * 100:+.0f}% time",
+        )
+
+
+def _mark_knee(axes, knee: dict | None, y_value: float | None, label: str, text_at: tuple[float, float]) -> None:
+    """A dotted line at the knee, and its figures in a box at `text_at` (axes fraction, the
+    box's right edge) with an arrow to the point."""
+    if not knee:
+        return
+    axes.axvline(knee["m"], color=KNEE_COLOUR, linestyle=":", linewidth=1.6, label=label)
+    if y_value is not None:
+        axes.annotate(
+            label,
+            xy=(knee["m"], y_value),
+            xytext=text_at,
+            textcoords="axes fraction",
+            ha="right",
+            va="center",
+            color=KNEE_COLOUR,
+            fontsize=9,
+            bbox={"boxstyle": "round,pad=0.3", "facecolor": "white", "edgecolor": KNEE_COLOUR, "alpha": 0.9},
+            arrowprops={"arrowstyle": "->", "color": KNEE_COLOUR},
+        )
+
+
+def _mark_slower(axes, rows: list[dict], slower_ms: set[int], value_of, threshold: float | None) -> None:
+    points = [(int(row["m"]), value_of(row)) for row in rows if int(row["m"]) in slower_ms]
+    if points:
+        axes.scatter(
+            [m for m, _ in points],
+            [value for _, value in points],
+            s=160,
+            facecolors="none",
+            edgecolors=SLOWER_COLOUR,
+            linewidths=2.0,
+            zorder=5,
+            label=f"slower than previous run by more than {threshold * 100:.0f}%" if threshold else "slower than previous run",
+        )
+
+
+def plot_per_token(path: Path, rows: list[dict], context: dict, knee: dict | None, saturation: dict | None,
+                   baseline_rows: list[dict] | None = None, slower_ms: set[int] | None = None) -> None:
+    ms = [int(row["m"]) for row in rows]
+    figure, axes = plt.subplots(figsize=FIGURE_SIZE_IN, dpi=FIGURE_DPI)
+    try:
+        measured = [per_token(row) for row in rows]
+        low = [float(row["us_p20"]) / int(row["m"]) if row.get("us_p20") else value for row, value in zip(rows, measured)]
+        high = [float(row["us_p80"]) / int(row["m"]) if row.get("us_p80") else value for row, value in zip(rows, measured)]
+        axes.fill_between(ms, low, high, color=MEASURED_COLOUR, alpha=0.18, linewidth=0, label="p20–p80 spread")
+        axes.plot(ms, measured, marker="o", color=MEASURED_COLOUR, linewidth=2, zorder=3,
+                  label="measured us per token (median)")
+        floor_points = [(int(row["m"]), floor_per_token(row)) for row in rows if floor_per_token(row) is not None]
+        if floor_points:
+            axes.plot(
+                [m for m, _ in floor_points],
+                [value for _, value in floor_points],
+                linestyle="--",
+                marker=".",
+                color=FLOOR_COLOUR,
+                linewidth=1.6,
+                label=f"floor per token ({context['ceilings']})",
+            )
+        if baseline_rows:
+            axes.plot(
+                [int(row["m"]) for row in baseline_rows],
+                [per_token(row) for row in baseline_rows],
+                linestyle="-.",
+                marker="s",
+                markersize=4,
+                color=BASELINE_COLOUR,
+                linewidth=1.2,
+                zorder=1,
+                label=f"previous run {context.get('baseline_run_id')}",
+            )
+        _mark_slower(axes, rows, slower_ms or set(), per_token, context.get("threshold"))
+        knee_label = None
+        if knee:
+            knee_label = f"knee M={knee['m']}: {knee['us_per_token']:.2f} us/token"
+            if knee.get("pct_of_floor") is not None:
+                knee_label += f", {percent(knee['pct_of_floor'])} of floor"
+        # Per-token cost falls with M: the top right corner stays free.
+        _mark_knee(axes, knee, knee["us_per_token"] if knee else None, knee_label, (0.98, 0.93))
+        _mark_saturation(axes, saturation)
+        _time_axis(axes, "time per token (µs, log scale; lower is better)")
+        _m_axis(axes, ms)
+        _title(axes, "MoE layer cost per token", context)
+        axes.legend(loc="lower left", fontsize=9, framealpha=0.9)
+        figure.tight_layout()
+        figure.savefig(path, dpi=FIGURE_DPI)
+    finally:
+        plt.close(figure)
+
+
+def plot_total_time(path: Path, rows: list[dict], context: dict, knee: dict | None, saturation: dict | None,
+                    baseline_rows: list[dict] | None = None, slower_ms: set[int] | None = None) -> None:
+    ms = [int(row["m"]) for row in rows]
+    figure, axes = plt.subplots(figsize=FIGURE_SIZE_IN, dpi=FIGURE_DPI)
+    try:
+        measured = [float(row["us"]) for row in rows]
+        low = [float(row.get("us_p20") or row["us"]) for row in rows]
+        high = [float(row.get("us_p80") or row["us"]) for row in rows]
+        axes.fill_between(ms, low, high, color=MEASURED_COLOUR, alpha=0.18, linewidth=0, label="p20–p80 spread")
+        axes.plot(ms, measured, marker="o", color=MEASURED_COLOUR, linewidth=2, zorder=3,
+                  label="measured kernel time (median)")
+        for row, value in zip(rows, measured):
+            if row.get("pct_of_floor") is not None:
+                axes.annotate(
+                    percent(float(row["pct_of_floor"])),
+                    xy=(int(row["m"]), value),
+                    xytext=(0, 8),
+                    textcoords="offset points",
+                    ha="center",
+                    fontsize=8,
+                    color=MEASURED_COLOUR,
+                    bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8},
+                    zorder=4,
+                )
+        floor_points = [(int(row["m"]), float(row["floor_us"])) for row in rows if row.get("floor_us")]
+        if floor_points:
+            axes.plot(
+                [m for m, _ in floor_points],
+                [value for _, value in floor_points],
+                linestyle="--",
+                marker=".",
+                color=FLOOR_COLOUR,
+                linewidth=1.6,
+                label=f"floor ({context['ceilings']})",
+            )
+        if baseline_rows:
+            axes.plot(
+                [int(row["m"]) for row in baseline_rows],
+                [float(row["us"]) for row in baseline_rows],
+                linestyle="-.",
+                marker="s",
+                markersize=4,
+                color=BASELINE_COLOUR,
+                linewidth=1.2,
+                zorder=1,
+                label=f"previous run {context.get('baseline_run_id')}",
+            )
+        _mark_slower(axes, rows, slower_ms or set(), lambda row: float(row["us"]), context.get("threshold"))
+        knee_label = f"knee M={knee['m']}: {knee['us']:.0f} µs" if knee else None
+        # On the right, between the measured plateau and the floor's plateau, is free.
+        _mark_knee(axes, knee, knee["us"] if knee else None, knee_label, (0.98, 0.76))
+        _mark_saturation(axes, saturation)
+        _time_axis(axes, "kernel time for the whole batch (µs, log scale)")
+        # Head room above the highest point for its % of floor label.
+        axes.set_ylim(top=max(high) * 1.6)
+        _m_axis(axes, ms)
+        _title(axes, "MoE layer time per batch (labels: % of floor)", context)
+        axes.legend(loc="lower right", fontsize=9, framealpha=0.9)
+        figure.tight_layout()
+        figure.savefig(path, dpi=FIGURE_DPI)
+    finally:
+        plt.close(figure)

@@ -1,0 +1,262 @@
+"""summary.md (for a person), the console lines (for the play's output) and summary.json's
+headline figures (for AWX's set_stats), all from one summary dict built in build.py."""
+
+from __future__ import annotations
+
+from .figures import human_duration, readable
+from .history import config_label
+
+
+def _num(value, pattern: str, missing: str = "–") -> str:
+    if value is None:
+        return missing
+    return pattern.format(value)
+
+
+def ceilings_text(ceilings: dict | None) -> str:
+    if not ceilings:
+        return "no ceilings recorded"
+    return (
+        f"{readable(ceilings.get('bandwidth_gbps'))} GB/s, "
+        f"{readable(ceilings.get('tflops'))} TFLOP/s ({ceilings.get('source') or 'unknown source'})"
+    )
+
+
+def regression_sentence(regression: dict) -> str:
+    threshold_pct = regression["threshold"] * 100
+    if regression.get("baseline_run_id") is None:
+        return "No earlier complete run of this host and configuration to compare with."
+    if not regression.get("compared_m"):
+        return f"Previous run {regression['baseline_run_id']} shares no M value with this run: nothing compared."
+    if regression["regressed"]:
+        where = ", ".join(f"M={item['m']} ({item['change'] * 100:+.1f}%)" for item in regression["slower"])
+        return (
+            f"REGRESSION: slower than the previous run {regression['baseline_run_id']} by more than "
+            f"{threshold_pct:.0f}% at {where}."
+        )
+    return (
+        f"No regression: within {threshold_pct:.0f}% of the previous run {regression['baseline_run_id']} "
+        f"at all {len(regression['compared_m'])} common M values (worst change {regression['worst_change'] * 100:+.1f}%)."
+    )
+
+
+def knee_sentence(knee: dict | None, rule: dict, timed_m: int = 2) -> str:
+    growth_pct = rule["growth_per_doubling"] * 100
+    if knee is None and timed_m < 2:
+        return "none: fewer than two M values were timed"
+    if knee is None:
+        return (
+            f"none in the measured range: total time still grows by {growth_pct:.0f}% or more per "
+            "doubling of M at every step"
+        )
+    pct = f", {knee['pct_of_floor']:.1f}% of floor" if knee.get("pct_of_floor") is not None else ""
+    return (
+        f"M={knee['m']}: {knee['us']:,.1f} us per batch, {knee['us_per_token']:.2f} us/token{pct}; "
+        f"from there to M={knee['next_m']} the time changes only {knee['growth_per_doubling'] * 100:+.1f}% per doubling"
+    )
+
+
+def saturation_sentence(saturation: dict | None, knee: dict | None) -> str:
+    if knee is None:
+        return "not applicable without a knee"
+    if saturation is None:
+        return "not reached in the measured range: per-token cost still falls with every doubling of M"
+    return (
+        f"M={saturation['m']}: doubling M to {saturation['next_m']} adds "
+        f"{saturation['growth_per_doubling'] * 100:+.0f}% time, so per-token cost "
+        f"({saturation['us_per_token']:.2f} us/token there) hardly falls any more"
+    )
+
+
+def downtime_sentence(timeline: dict) -> str:
+    if timeline.get("downtime_s") is None:
+        missing = [
+            name
+            for name, key in (("service stopped", "service_stopped_at"), ("service ready", "service_ready_at"))
+            if not timeline.get(key)
+        ]
+        return f"unknown (no timestamp for {' and '.join(missing)})"
+    return (
+        f"{human_duration(timeline['downtime_s'])} ({timeline['downtime_s']:.0f} s): service stopped "
+        f"{timeline['service_stopped_at']}, ready again {timeline['service_ready_at']}"
+    )
+
+
+def job_sentence(timeline: dict) -> str:
+    parts = []
+    if timeline.get("benchmark_s") is not None:
+        parts.append(
+            f"ran {human_duration(timeline['benchmark_s'])} ({timeline['benchmark_started_at']} to "
+            f"{timeline['benchmark_finished_at']})"
+        )
+    else:
+        parts.append("duration unknown (no start or end timestamp)")
+    if timeline.get("time_to_ready_s") is not None:
+        parts.append(f"the service was ready {human_duration(timeline['time_to_ready_s'])} after its start")
+    return "; ".join(parts)
+
+
+def markdown(summary: dict) -> str:
+    manifest = summary["manifest"]
+    timeline = manifest["timeline"]
+    regression = summary["regression"]
+    knee = summary["knee"]
+    lines = [f"# MoE benchmark on {summary['host']}, run {summary['run_id']}", ""]
+    if regression["regressed"]:
+        lines += [f"> **{regression_sentence(regression)}**", ""]
+    lines += [
+        f"- **Status:** {summary['status']}"
+        + (f" ({summary['error']['kind']}: {summary['error']['message']})" if summary.get("error") else ""),
+        f"- **GPU:** {manifest['gpu']['name'] or 'unknown'} (driver {manifest['gpu']['driver'] or 'unknown'}, "
+        f"CUDA {manifest['gpu']['cuda'] or 'unknown'}, device {manifest['gpu']['device'] or 'unknown'})",
+        f"- **Software:** torch {manifest['software']['torch'] or 'unknown'}, triton {manifest['software']['triton'] or 'unknown'}, "
+        f"python {manifest['software']['python'] or 'unknown'}",
+        f"- **Configuration:** {config_label(summary['config_key'])}",
+        f"- **Backend:** {summary['config_key'].get('backend') or 'unknown'}; **ceilings:** {ceilings_text(summary['ceilings'])}",
+        f"- **Knee:** {knee_sentence(knee, summary['knee_rule'], len(summary['per_m']))}",
+        f"- **Saturation:** {saturation_sentence(summary.get('saturation'), knee)}",
+        f"- **Downtime:** {downtime_sentence(timeline)}",
+        f"- **Benchmark job:** {job_sentence(timeline)}",
+        f"- **Compared with previous run:** {regression_sentence(regression)}",
+        f"- **Project:** commit {manifest['project']['commit']}"
+        + (" (working tree modified)" if manifest["project"].get("dirty") else "")
+        + f"; launched by {launch_text(manifest['launch'])}",
+        "",
+    ]
+    if summary.get("load_error"):
+        lines += [f"**The results could not be read:** {summary['load_error']}", ""]
+    if summary["per_m"]:
+        has_baseline = regression.get("baseline_run_id") is not None
+        header = "| M | us (median) | us p20–p80 | us/token | GB/s | TFLOP/s | floor us | % of floor |"
+        rule = "|---:|---:|---:|---:|---:|---:|---:|---:|"
+        if has_baseline:
+            header += " vs previous |"
+            rule += "---:|"
+        lines += ["## Per M", "", header, rule]
+        change_by_m = {item["m"]: item for item in regression.get("per_m") or []}
+        for row in summary["per_m"]:
+            marker = " **knee**" if knee and row["m"] == knee["m"] else ""
+            saturation = summary.get("saturation")
+            if saturation and row["m"] == saturation["m"]:
+                marker += " **saturation**"
+            cells = [
+                f"{row['m']}{marker}",
+                _num(row["us"], "{:,.1f}"),
+                f"{_num(row['us_p20'], '{:,.1f}')}–{_num(row['us_p80'], '{:,.1f}')}",
+                _num(row["us_per_token"], "{:,.3f}"),
+                _num(row["gbps"], "{:,.0f}"),
+                _num(row["tflops"], "{:,.2f}"),
+                _num(row["floor_us"], "{:,.1f}"),
+                _num(row["pct_of_floor"], "{:.1f}%"),
+            ]
+            if has_baseline:
+                change = change_by_m.get(row["m"])
+                if change is None:
+                    cells.append("–")
+                else:
+                    text = f"{change['change'] * 100:+.1f}%"
+                    cells.append(f"**{text} SLOWER**" if change["slower"] else text)
+            lines.append("| " + " | ".join(cells) + " |")
+        lines += [
+            "",
+            "Floor = max(bytes moved / bandwidth ceiling, FLOPs / compute ceiling); % of floor = floor / measured.",
+            f"Knee rule: the smallest measured M whose step to the next measured M adds less than "
+            f"{summary['knee_rule']['growth_per_doubling'] * 100:.0f}% to the total time per doubling of M "
+            "(past it, extra tokens ride on weights already streamed and per-token cost falls like 1/M). "
+            "Saturation: the smallest M at or after the knee whose step to the next M adds 50% or more "
+            "per doubling (per-token cost no longer falls much).",
+            "",
+            "## Plots",
+            "",
+            "![per-token cost against M](per_token.png)",
+            "",
+            "![total time against M](total_time.png)",
+            "",
+        ]
+    else:
+        lines += ["No M value was timed in this run.", ""]
+    if summary.get("correctness"):
+        lines += ["## Correctness", "", "| M | relative error | bound | ok |", "|---:|---:|---:|---|"]
+        for check in summary["correctness"]:
+            lines.append(
+                f"| {check.get('m')} | {_num(check.get('rel_err'), '{:.2e}')} | {_num(check.get('bound'), '{:.2e}')} | "
+                f"{'yes' if check.get('ok') else '**NO**'} |"
+            )
+        lines.append("")
+    lines += [
+        "## Files",
+        "",
+        "[manifest.json](manifest.json) · [summary.json](summary.json) · [results.json](results.json) · "
+        "[results.csv](results.csv) · [bench.log](bench.log) · [all runs of this host](../index.md)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def launch_text(launch: dict) -> str:
+    if launch.get("by") == "awx":
+        parts = [f"AWX job {launch['job_id']}"]
+        if launch.get("template"):
+            parts.append(f"template {launch['template']!r}")
+        if launch.get("scheduled"):
+            parts.append(f"schedule {launch.get('schedule') or launch.get('schedule_id') or '?'}")
+        else:
+            parts.append(f"{launch.get('launch_type')} launch")
+        if launch.get("user"):
+            parts.append(f"by {launch['user']}")
+        return ", ".join(parts)
+    return f"{launch.get('user')} by hand on {launch.get('controller')}"
+
+
+def console_lines(summary: dict) -> list[str]:
+    manifest = summary["manifest"]
+    regression = summary["regression"]
+    lines = [
+        f"{summary['host']} run {summary['run_id']}: {summary['status']}, {manifest['gpu']['name'] or 'no GPU name'}, "
+        f"{config_label(summary['config_key'])}",
+    ]
+    if summary.get("error"):
+        lines.append(f"payload error ({summary['error']['kind']}): {summary['error']['message']}")
+    if summary.get("load_error"):
+        lines.append(f"results could not be read: {summary['load_error']}")
+    if summary["per_m"]:
+        lines.append(f"{'M':>6} {'us':>10} {'us/token':>10} {'% floor':>8}")
+        for row in summary["per_m"]:
+            lines.append(
+                f"{row['m']:>6} {row['us']:>10.1f} {row['us_per_token']:>10.3f} "
+                f"{_num(row['pct_of_floor'], '{:.1f}%'):>8}"
+            )
+    lines.append(f"Knee: {knee_sentence(summary['knee'], summary['knee_rule'], len(summary['per_m']))}.")
+    if summary.get("saturation"):
+        lines.append(f"Saturation: {saturation_sentence(summary['saturation'], summary['knee'])}.")
+    lines.append(f"Downtime: {downtime_sentence(manifest['timeline'])}.")
+    lines.append(regression_sentence(regression))
+    lines.append(f"summary: {summary['files']['summary_md']}")
+    return lines
+
+
+def headline(summary: dict) -> dict:
+    """The figures AWX shows for this host (set_stats), flat and small."""
+    knee = summary["knee"] or {}
+    regression = summary["regression"]
+    return {
+        "run_id": summary["run_id"],
+        "status": summary["status"],
+        "gpu": summary["manifest"]["gpu"]["name"],
+        "backend": summary["config_key"].get("backend"),
+        "config": config_label(summary["config_key"]),
+        "us_per_m": {str(row["m"]): round(row["us"], 1) for row in summary["per_m"]},
+        "pct_of_floor_per_m": {
+            str(row["m"]): (round(row["pct_of_floor"], 1) if row["pct_of_floor"] is not None else None)
+            for row in summary["per_m"]
+        },
+        "knee_m": knee.get("m"),
+        "knee_us_per_token": round(knee["us_per_token"], 3) if knee else None,
+        "knee_pct_of_floor": knee.get("pct_of_floor"),
+        "saturation_m": (summary.get("saturation") or {}).get("m"),
+        "downtime_s": summary["manifest"]["timeline"]["downtime_s"],
+        "regression": regression["regressed"],
+        "regression_at_m": [item["m"] for item in regression["slower"]],
+        "baseline_run_id": regression.get("baseline_run_id"),
+        "summary_md": summary["files"]["summary_md"],
+    }

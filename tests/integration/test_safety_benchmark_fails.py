@@ -1,0 +1,83 @@
+"""The benchmark fails (raises, is killed, runs past its budget): the service comes back, the
+failure message carries the exit code and the log's tail, and the finished M values are fetched."""
+
+import json
+import re
+
+from conftest import LONG_M_LIST, STATE_DIR, fetched_run_dirs, wait_until
+
+
+def assert_service_restored(host):
+    state = host.unit_show()
+    assert state["ActiveState"] == "active", state
+    assert host.health_status() == 200
+    assert not host.timer_loaded(), "dead-man timer left armed after the recovery"
+    assert host.exec("test -e %s/lock" % STATE_DIR, check=False).returncode != 0, "lock not released"
+
+
+def fetched_results(results_dir, host):
+    (run_dir,) = fetched_run_dirs(results_dir, host)
+    return run_dir, json.loads((run_dir / "results.json").read_text())
+
+
+def test_payload_raising_mid_run_restores_service_and_keeps_finished_m(simhost, run_playbook, results_dir):
+    # The payload's test hook raises a runtime failure when M=4 is reached (exit code 5);
+    # /etc/environment reaches it through the SSH session (pam_env).
+    simhost.set_payload_env(MOE_BENCH_INTERNAL_FAIL_AT_M=4)
+    run = run_playbook(simhost, {"moe_bench_m_list": "1,2,4,8"})
+    assert run.rc != 0, run.describe()
+    assert "The benchmark failed on %s" % simhost.name in run.stdout, run.describe()
+    assert re.search(r"exit code 5\b", run.stdout), run.describe()
+    # The log's tail is in the message: the payload's own failure line.
+    assert "injected failure at M=4" in run.stdout, run.describe()
+    assert "was restored" in run.stdout, run.describe()
+    assert_service_restored(simhost)
+    run_dir, results = fetched_results(results_dir, simhost)
+    assert results["status"] == "failed"
+    assert results["error"]["exit_code"] == 5
+    assert [row["m"] for row in results["results"]] == [1, 2]
+    assert (run_dir / "bench.log").exists(), sorted(p.name for p in run_dir.iterdir())
+    assert "injected failure at M=4" in (run_dir / "bench.log").read_text()
+
+
+def test_payload_killed_mid_run_restores_service_and_keeps_finished_m(simhost, start_playbook, results_dir):
+    # SIGKILL of the payload stands in for the out-of-memory killer.
+    run = start_playbook(simhost, {"moe_bench_m_list": LONG_M_LIST})
+
+    def payload_with_results():
+        pids = simhost.payload_pids()
+        if not pids:
+            return None
+        for run_id in simhost.run_ids():
+            doc = simhost.read_json("%s/runs/%s/results.json" % (STATE_DIR, run_id))
+            if doc and len(doc.get("results", [])) >= 2:
+                return pids
+        return None
+
+    pids = wait_until(payload_with_results, timeout=400, interval=0.5, what="payload with 2 finished M values")
+    simhost.exec("kill -9 %s" % " ".join(map(str, pids)))
+    result = run.wait(timeout=400)
+    assert result.rc != 0, result.describe()
+    assert "The benchmark failed on %s" % simhost.name in result.stdout, result.describe()
+    assert re.search(r"exit code (-9|137)|killed", result.stdout), result.describe()
+    assert "Log tail" in result.stdout, result.describe()
+    assert_service_restored(simhost)
+    run_dir, results = fetched_results(results_dir, simhost)
+    assert len(results["results"]) >= 2, results
+    assert results["status"] != "complete"
+    assert (run_dir / "bench.log").exists()
+
+
+def test_payload_past_its_budget_is_stopped_and_service_restored(simhost, run_playbook, results_dir):
+    # Async limit = budget + margin = 3 s: the payload (torch import, weights, a long M list on
+    # the CPU) cannot finish in that time.
+    run = run_playbook(simhost, {"moe_bench_m_list": LONG_M_LIST, "moe_bench_bench_budget_s": 2,
+                                 "moe_bench_async_margin_s": 1, "moe_bench_bench_poll_s": 1})
+    assert run.rc != 0, run.describe()
+    assert "The benchmark failed on %s" % simhost.name in run.stdout, run.describe()
+    assert re.search(r"time limit|timed out|killed", run.stdout, re.I), run.describe()
+    assert_service_restored(simhost)
+    # No payload process outlives the budget.
+    wait_until(lambda: not simhost.payload_pids(), timeout=30, what="payload gone")
+    (run_dir,) = fetched_run_dirs(results_dir, simhost)
+    assert (run_dir / "bench.log").exists(), sorted(p.name for p in run_dir.iterdir())

@@ -1,0 +1,125 @@
+"""The controller dies, never comes back, or loses its connection mid-benchmark: the job runs on
+on the host, the next run re-attaches to it (no second stop, no second launch), and the host's
+dead-man timer brings the service back when nobody does."""
+
+import json
+import time
+
+from conftest import LONG_M_LIST, STATE_DIR, fetched_run_dirs, wait_until
+
+# A payload that runs for a while on the CPU, so it can be interrupted mid-run.
+MID_RUN_M_LIST = "1,2,4,8,16,32,64,128,256,512"
+
+
+def job_record(host):
+    (run_id,) = host.run_ids()
+    return run_id, host.read_json("%s/runs/%s/job.json" % (STATE_DIR, run_id))
+
+
+def wait_for_job(host, timeout=400):
+    """Until the payload runs and its job id is on the host; returns (run_id, job record)."""
+    def launched():
+        ids = host.run_ids()
+        if len(ids) != 1 or not host.payload_pids():
+            return None
+        record = host.read_json("%s/runs/%s/job.json" % (STATE_DIR, ids[0]))
+        return (ids[0], record) if record and record.get("jid") else None
+    return wait_until(launched, timeout=timeout, interval=0.5, what="benchmark job launched")
+
+
+def assert_reattached_and_recovered(host, run, results_dir, run_id, jid, since_epoch):
+    assert run.rc == 0, run.describe()
+    assert "re-attaching to benchmark job %s" % jid in run.stdout, run.describe()
+    # One run folder, the same job id: the payload was launched once.
+    assert host.run_ids() == [run_id]
+    assert job_record(host)[1]["jid"] == jid
+    # The unit was stopped once (by the first controller), started again by the second.
+    assert host.stop_count(since_epoch) == 1, host.journal(since_epoch=since_epoch)
+    state = host.unit_show()
+    assert state["ActiveState"] == "active", state
+    assert host.health_status() == 200
+    assert not host.timer_loaded(), "dead-man timer left armed"
+    assert host.exec("test -e %s/lock" % STATE_DIR, check=False).returncode != 0, "lock not released"
+    (fetched,) = fetched_run_dirs(results_dir, host)
+    assert fetched.name == run_id
+    results = json.loads((fetched / "results.json").read_text())
+    assert results["status"] == "complete", results["status"]
+    assert [row["m"] for row in results["results"]] == [int(m) for m in MID_RUN_M_LIST.split(",")]
+    log = (fetched / "bench.log").read_text()
+    assert log.count("[moe_bench] starting:") == 1, log
+
+
+def test_killed_controller_rerun_reattaches_to_the_same_job(simhost, start_playbook, run_playbook, results_dir):
+    since = simhost.epoch()
+    first = start_playbook(simhost, {"moe_bench_m_list": MID_RUN_M_LIST})
+    run_id, job = wait_for_job(simhost)
+    first.kill_controller()
+    # The benchmark runs on without its controller; the unit stays stopped.
+    time.sleep(2)
+    assert simhost.payload_pids(), "the payload died with its controller"
+    assert simhost.unit_active() in ("inactive", "failed")
+    assert simhost.timer_loaded(), "no dead-man timer armed while the service is down"
+
+    second = run_playbook(simhost, {"moe_bench_m_list": MID_RUN_M_LIST})
+    assert_reattached_and_recovered(simhost, second, results_dir, run_id, job["jid"], since)
+
+
+def test_controller_that_never_returns_is_covered_by_the_deadman_timer(simhost, start_playbook):
+    # Planned downtime = stop 5 + memory wait 5 + async limit 60 + load 5 = 75 s, margin 0:
+    # the dead-man timer fires 75 s after it is armed.
+    budgets = {"moe_bench_m_list": LONG_M_LIST, "moe_bench_stop_timeout_s": 5, "moe_bench_vram_timeout_s": 5,
+               "moe_bench_bench_budget_s": 60, "moe_bench_async_margin_s": 0, "moe_bench_load_budget_s": 5,
+               "moe_bench_deadman_margin_s": 0, "moe_bench_bench_poll_s": 1}
+    run = start_playbook(simhost, budgets)
+    run_id = wait_until(lambda: next(iter(
+        [rid for rid in simhost.run_ids()
+         if simhost.exec("test -s %s/runs/%s/job.json" % (STATE_DIR, rid), check=False).returncode == 0]), None),
+        timeout=400, interval=0.5, what="benchmark job launched")
+    run.kill_controller()
+    assert simhost.unit_active() in ("inactive", "failed")
+    deadman = simhost.read_json("%s/runs/%s/deadman.json" % (STATE_DIR, run_id))
+    assert deadman and str(deadman["armed"]).lower() == "true", deadman
+    assert int(deadman["delay_s"]) == 75, deadman
+    assert simhost.timer_loaded()
+    deadline = int(deadman["deadline_epoch"])
+
+    wait_until(lambda: simhost.unit_active() == "active", timeout=deadline - time.time() + 60, interval=1,
+               what="the dead-man timer starting the unit")
+    started = int(simhost.exec("systemctl show -p ActiveEnterTimestamp --value fake-inference.service "
+                               "| xargs -I{} date -d {} +%s").stdout.strip())
+    # Started by the timer at its deadline, not earlier.
+    assert started >= deadline - 2, (started, deadline)
+    simhost.wait_healthy(timeout=30)
+    assert "moe-bench dead-man switch" in simhost.journal(unit="moe-bench-deadman-fake-inference.service") + \
+        simhost.exec("journalctl --no-pager -o cat | grep -i dead-man || true").stdout
+
+
+def test_connection_cut_mid_run_job_continues_and_next_run_recovers(simhost, start_playbook, run_playbook,
+                                                                    results_dir):
+    since = simhost.epoch()
+    first = start_playbook(simhost, {"moe_bench_m_list": MID_RUN_M_LIST})
+    run_id, job = wait_for_job(simhost)
+    first.wait_for_output(r"Wait for the benchmark to finish", timeout=120)
+    # Cut every SSH session for a few seconds while the controller polls.
+    cut_until = time.monotonic() + 8
+    while time.monotonic() < cut_until:
+        simhost.kill_ssh_sessions()
+        time.sleep(0.3)
+    assert simhost.payload_pids(), "the payload died with the connection"
+    first_result = first.wait(timeout=600)
+    if first_result.rc == 0:
+        # The controller reconnected on its own and finished the run: the service is back.
+        state = simhost.unit_show()
+        assert state["ActiveState"] == "active", (state, first_result.describe())
+        assert simhost.stop_count(since) == 1
+        return
+    # The first controller gave up (host unreachable): the next run re-attaches and recovers.
+    second = run_playbook(simhost, {"moe_bench_m_list": MID_RUN_M_LIST})
+    assert second.rc == 0, second.describe()
+    state = simhost.unit_show()
+    assert state["ActiveState"] == "active", state
+    assert simhost.health_status() == 200
+    assert simhost.stop_count(since) == 1, simhost.journal(since_epoch=since)
+    assert simhost.run_ids() == [run_id]
+    assert job_record(simhost)[1]["jid"] == job["jid"]
+    assert any(d.name == run_id and (d / "results.json").exists() for d in fetched_run_dirs(results_dir, simhost))

@@ -1,0 +1,183 @@
+"""The Triton W4A16 MoE kernels under Triton's interpreter, against a float32 reference.
+
+Runs on the CPU (conftest.py sets TRITON_INTERPRET=1 before triton is imported). The
+interpreter computes tl.dot wrongly on bf16 operands, so activations here are float32 or
+float16; the kernels' bf16 bit tricks are still exercised (the int4 -> number conversion
+goes through bf16 bits on every path).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from moe_bench import quant  # noqa: E402
+from moe_bench import triton_moe as tm  # noqa: E402
+
+# float32 activations: the only rounding is the bf16 scales (exact in both) and float32 sums.
+# float16 activations round the intermediate once more. Bounds are well above what the
+# kernels reach (about 1e-6 and 4e-4) and far below what any indexing mistake gives (~1).
+BOUND = {torch.float32: 1e-4, torch.float16: 3e-3}
+
+
+def reference(weights: quant.MoEWeights, x, topk_ids, topk_weights) -> torch.Tensor:
+    """float32: dequantise, then per token and chosen expert SiLU(x W1g) * (x W1u) W2, weighted."""
+    w13 = quant.dequantize(weights.w13)
+    w2 = quant.dequantize(weights.w2)
+    inter = weights.shape.inter
+    xf = x.float()
+    out = torch.zeros(x.shape[0], weights.shape.hidden)
+    for m in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[m, j])
+            h = xf[m] @ w13[e]
+            out[m] += float(topk_weights[m, j]) * ((torch.nn.functional.silu(h[:inter]) * h[inter:]) @ w2[e])
+    return out
+
+
+def random_inputs(shape: quant.MoEShape, m: int, dtype, seed: int, experts=None):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, shape.hidden, generator=gen).to(dtype)
+    pool = shape.experts if experts is None else experts
+    ids = torch.stack([torch.randperm(pool, generator=gen)[: shape.topk] for _ in range(m)]).to(torch.int32)
+    weights = torch.rand(m, shape.topk, generator=gen) + 0.1
+    return x, ids, weights / weights.sum(dim=1, keepdim=True)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "output holds NaN/Inf: a row was never written"
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+def single_entry_table(block_m: int, **gemm) -> list:
+    cfg = dict(bn=64, bk=64, warps=4, stages=2, post=False, whole=False, swap=False)
+    cfg.update(gemm)
+    return [(1 << 62, dict(block_m=block_m, g1=dict(cfg), g2=dict(cfg)))]
+
+
+# Every entry of the shipped table, at a small shape its tiles fit unshrunk where they can.
+TABLE_SHAPE = quant.MoEShape(experts=6, hidden=256, inter=128, topk=3, group_size=32)
+
+
+@pytest.mark.parametrize("bucket", range(len(tm.TILE_TABLE)), ids=lambda i: f"table-row-{i}")
+def test_every_shipped_tile_config_matches_reference(bucket):
+    limit, entry = tm.TILE_TABLE[bucket]
+    weights = quant.random_weights(TABLE_SHAPE, "cpu", seed=bucket)
+    moe = tm.TritonW4A16MoE(weights, max_m=64, table=[(1 << 62, entry)])
+    x, ids, wts = random_inputs(TABLE_SHAPE, 19, torch.float32, seed=100 + bucket)
+    out = moe(x, ids, wts)
+    assert out.shape == (19, TABLE_SHAPE.hidden) and out.dtype == torch.float32
+    assert relative_error(out, reference(weights, x, ids, wts)) < BOUND[torch.float32]
+
+
+# Odd shape: 5 experts, top-3, hidden 96 and inter 160 (multiples of 32, not powers of two),
+# so the tiles shrink to fit and blocks are ragged.
+ODD_SHAPE = quant.MoEShape(experts=5, hidden=96, inter=160, topk=3, group_size=32)
+MODES = [
+    dict(block_m=16, post=True, swap=False),
+    dict(block_m=16, post=True, swap=True),
+    dict(block_m=32, post=False, whole=False, swap=False),
+    dict(block_m=64, post=False, whole=True, swap=True),
+]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+@pytest.mark.parametrize("dtype,m", [(torch.float32, 1), (torch.float16, 23)], ids=["fp32-M1", "fp16-M23"])
+def test_odd_shape_every_mode(mode, dtype, m):
+    mode = dict(mode)
+    block_m = mode.pop("block_m")
+    weights = quant.random_weights(ODD_SHAPE, "cpu", seed=3)
+    moe = tm.TritonW4A16MoE(weights, max_m=32, table=single_entry_table(block_m, **mode))
+    x, ids, wts = random_inputs(ODD_SHAPE, m, dtype, seed=m)
+    out = moe(x, ids, wts)
+    assert out.dtype == dtype
+    assert relative_error(out, reference(weights, x, ids, wts)) < BOUND[dtype]
+
+
+def test_many_blocks_per_expert_and_large_group():
+    """All tokens routed to 2 of 4 experts (several full blocks plus a ragged one each), group 128
+    spanning several reduction steps' worth of rows, whole-tile and per-group dequantisation."""
+    shape = quant.MoEShape(experts=4, hidden=256, inter=256, topk=2, group_size=128)
+    weights = quant.random_weights(shape, "cpu", seed=5)
+    x, ids, wts = random_inputs(shape, 37, torch.float32, seed=7, experts=2)
+    ref = reference(weights, x, ids, wts)
+    for whole in (False, True):
+        moe = tm.TritonW4A16MoE(weights, max_m=40, table=single_entry_table(16, bn=128, bk=256, whole=whole))
+        assert relative_error(moe(x, ids, wts), ref) < BOUND[torch.float32]
+
+
+def test_alignment_groups_every_slot_under_its_expert():
+    shape = quant.MoEShape(experts=7, hidden=64, inter=64, topk=3, group_size=32)
+    weights = quant.random_weights(shape, "cpu", seed=0)
+    moe = tm.TritonW4A16MoE(weights, max_m=50, table=single_entry_table(16))
+    _, ids, _ = random_inputs(shape, 50, torch.float32, seed=11, experts=5)  # experts 5 and 6 unused
+    moe.align(ids.contiguous(), 16)
+    flat = ids.flatten()
+    counts = torch.bincount(flat.long(), minlength=shape.experts)
+    assert moe._counts.tolist() == counts.tolist()
+    padded = (counts + 15) // 16 * 16
+    starts = torch.cumsum(padded, 0) - padded
+    assert moe._starts.tolist() == starts.tolist()
+    for e in range(shape.experts):
+        rows = moe._sorted_slot[starts[e]: starts[e] + counts[e]]
+        assert sorted(rows.tolist()) == sorted((flat == e).nonzero().flatten().tolist())
+
+
+def test_tile_configs_fit_the_shape_and_cover_every_m():
+    shape = quant.MoEShape(experts=384, hidden=7168, inter=2048, topk=8, group_size=32)
+    m_list = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    configs = tm.tile_configs(shape, m_list)
+    assert sorted(configs) == m_list
+    for m, cfg in configs.items():
+        assert cfg["block_m"] in (16, 32, 64)
+        assert shape.inter % cfg["g1"]["bn"] == 0 and shape.hidden % cfg["g1"]["bk"] == 0
+        assert shape.hidden % cfg["g2"]["bn"] == 0 and shape.inter % cfg["g2"]["bk"] == 0
+        assert cfg["g1"]["bk"] % shape.group_size == 0 and cfg["g2"]["bk"] % shape.group_size == 0
+    # Shrunk to fit a shape the table's tiles do not divide.
+    odd = tm.tile_configs(ODD_SHAPE, [1, 2048])
+    for cfg in odd.values():
+        assert ODD_SHAPE.inter % cfg["g1"]["bn"] == 0 and ODD_SHAPE.hidden % cfg["g2"]["bn"] == 0
+        assert ODD_SHAPE.hidden % cfg["g1"]["bk"] == 0 and ODD_SHAPE.inter % cfg["g2"]["bk"] == 0
+
+
+def test_workspace_bytes_counts_the_buffers_it_allocates():
+    shape = quant.MoEShape(experts=384, hidden=7168, inter=2048, topk=8, group_size=32)
+    small, large = tm.workspace_bytes(shape, 1), tm.workspace_bytes(shape, 2048)
+    assert 0 < small < large
+    # The two activation-sized buffers dominate: per-slot output rows and padded intermediate rows.
+    assert large >= 2048 * 8 * 7168 * 2 + 2048 * 8 * 2048 * 2
+    tiny = quant.MoEShape(experts=5, hidden=96, inter=160, topk=3, group_size=32)
+    moe = tm.TritonW4A16MoE(quant.random_weights(tiny, "cpu"), max_m=9)
+    inter_buf, slot_buf = moe._buffers(torch.bfloat16)
+    allocated = sum(t.numel() * t.element_size() for t in
+                    (inter_buf, slot_buf, moe._sorted_slot, moe._counts, moe._starts, moe._ends, moe._cursor))
+    assert allocated <= tm.workspace_bytes(tiny, 9)
+
+
+@pytest.mark.parametrize("shape,needle", [
+    (quant.MoEShape(experts=4, hidden=96, inter=96, topk=2, group_size=24), "power-of-two group size"),
+    (quant.MoEShape(experts=4, hidden=64, inter=64, topk=2, group_size=8), "power-of-two group size"),
+    (quant.MoEShape(experts=4, hidden=80, inter=64, topk=2, group_size=16), "hidden to be a multiple of 32"),
+])
+def test_unsupported_shapes_are_refused_with_a_reason(shape, needle):
+    with pytest.raises(ValueError, match=needle):
+        tm.tile_configs(shape, [1])
+    if shape.group_size > 0 and shape.hidden % shape.group_size == 0 and shape.inter % shape.group_size == 0:
+        with pytest.raises(ValueError, match=needle):
+            tm.TritonW4A16MoE(quant.random_weights(shape, "cpu"), max_m=4)
+
+
+def test_inputs_outside_the_contract_are_refused():
+    weights = quant.random_weights(ODD_SHAPE, "cpu", seed=1)
+    moe = tm.TritonW4A16MoE(weights, max_m=4)
+    x, ids, wts = random_inputs(ODD_SHAPE, 5, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="outside 1..4"):
+        moe(x, ids, wts)
+    with pytest.raises(ValueError, match=r"x must be \[M, 96\]"):
+        moe(x[:2, :64], ids[:2], wts[:2])
+    with pytest.raises(ValueError, match="topk_ids and topk_weights"):
+        moe(x[:2], ids[:2, :2], wts[:2, :2])
