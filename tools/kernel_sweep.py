@@ -6,6 +6,9 @@ best combination as a whole forward, check it against a float32 reference and ti
 Prints a compact table last; full numbers go to --out as JSON.
 
   PYTHONPATH=files python3 tools/kernel_sweep.py --out /tmp/sweep.json [--m-list 1,16,2048] [--quick]
+
+With --variants: for every M, the shipped table's row against variants of it (see variants()),
+each checked against the float32 reference before timing; the winners go to --table-out.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -112,13 +116,196 @@ def time_graph(fn, reps=30, warm=3):
     return statistics.median(times), times[len(times) // 5], times[(4 * len(times)) // 5]
 
 
+# ---------------------------------------------------------------------------
+# Variant sweep: the shipped table's row for each M against variants of it (PTX nibble
+# conversion, split-K, tile width), every variant checked against the float32 reference
+# on the GPU before it is timed; writes the table of the winners.
+# ---------------------------------------------------------------------------
+
+KERNEL_COUNTS = ("HGMMA", "HMMA", "LDSM", "LDS", "STS", "LDGSTS", "UTMALDG", "PRMT", "LOP3", "F2FP", "I2F")
+
+
+def variants(m: int, base: dict) -> list[tuple[str, dict, dict]]:
+    """(name, g1, g2) candidates at M: the table's own first, then single changes of it."""
+    g1, g2 = base["g1"], base["g2"]
+    out = [("base", g1, g2), ("asm", dict(g1, asm=True), dict(g2, asm=True))]
+    if m <= 32:
+        for split in (2, 4):
+            out.append((f"split{split}", dict(g1, split=split), dict(g2, split=split)))
+            out.append((f"asm+split{split}", dict(g1, split=split, asm=True), dict(g2, split=split, asm=True)))
+    if m <= 512:
+        out.append(("asm+bn32g1", dict(g1, bn=32, asm=True), dict(g2, bn=64, asm=True)))
+        out.append(("asm+w8", dict(g1, warps=8, asm=True), dict(g2, warps=8, asm=True)))
+    else:
+        out.append(("asm+s4", dict(g1, stages=4, asm=True), dict(g2, stages=4, asm=True)))
+    return out
+
+
+def dump_kernel(compiled, label: str) -> str:
+    """Instruction counts (and the TTGIR) of one compiled GEMM kernel, as text."""
+    lines = [f"==== {label}"]
+    asm = getattr(compiled, "asm", {})
+    for key in ("sass", "ptx"):
+        try:
+            text = asm[key]
+        except Exception as exc:  # nvdisasm missing and the like
+            lines.append(f"{key}: unavailable ({str(exc)[:120]})")
+            continue
+        if key == "sass":
+            # Opcodes as whole words with any .MODIFIER suffix (HMMA.16816.F32.BF16, LDGSTS.E.BYPASS...).
+            counts = {op: len(re.findall(rf"\b{op}(?:\.|\s)", text)) for op in KERNEL_COUNTS}
+            lines.append(f"sass: {len(text.splitlines())} lines")
+        else:
+            counts = {op: text.count(op) for op in ("wgmma.mma_async", "mma.sync", "ld.shared", "st.shared",
+                                                   "ldmatrix", "cp.async", "prmt", "lop3")}
+        lines.append(f"{key} counts: {counts}")
+    meta = getattr(compiled, "metadata", None)
+    lines.append(f"metadata: shared={getattr(meta, 'shared', '?')} num_warps={getattr(meta, 'num_warps', '?')}")
+    try:
+        lines.append(asm["ttgir"])
+    except Exception:
+        pass
+    return "\n".join(lines)
+
+
+def variant_sweep(args) -> int:
+    shape = KIMI
+    device = torch.device("cuda:0")
+    if args.cpu_check:
+        shape = quant.MoEShape(experts=6, hidden=256, inter=128, topk=2, group_size=32)
+        device = torch.device("cpu")
+    t0 = time.time()
+    m_list = [int(v) for v in args.m_list.split(",")]
+    weights = quant.random_weights(shape, device, seed=0)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    print(f"weights built in {time.time() - t0:.2f} s", flush=True)
+    instances = [tm.TritonW4A16MoE(weights, max(m_list)) for _ in range(ROTATIONS)]
+    gen = torch.Generator(device=device)
+    gen.manual_seed(4321)
+    report, chosen, ir = [], {}, []
+    for m in m_list:
+        base = tm._config_for(shape, m)
+        bm = base["block_m"]
+        sets = [routing(m, shape, gen, device) for _ in range(ROTATIONS)]
+        x, ids, w = routing(m, shape, gen, device)
+        if device.type == "cpu":  # the interpreter's dot is wrong on bf16
+            sets = [(xs.float(), idss, ws) for xs, idss, ws in sets]
+            x = x.float()
+        ref = reference(weights, x, ids, w)
+        check = instances[0]
+        for inst, (xs, idss, ws) in zip(instances, sets):
+            inst.align(idss, bm)
+        rows = []
+        for name, g1, g2 in variants(m, base):
+            if name != "base" and time.time() - t0 > args.budget_s:
+                rows.append(dict(name=name, skipped="time budget"))
+                continue
+            g1 = tm._fit(g1, shape.hidden, shape.inter, shape.group_size)
+            g2 = tm._fit(g2, shape.inter, shape.hidden, shape.group_size)
+            row = dict(name=name, g1=g1, g2=g2)
+            try:
+                # Correctness first: poisoned workspace, fresh inputs, float32 reference.
+                check.table = [(1 << 62, dict(block_m=bm, g1=g1, g2=g2))]
+                for buf in check._buffers(x.dtype) + tuple(check._partials.values()):
+                    buf.fill_(float("nan"))
+                out = check(x, ids, w)
+                rel = float((out.float() - ref).norm() / ref.norm())
+                row.update(rel_err=rel, finite=bool(torch.isfinite(out).all()))
+                row["ok"] = row["finite"] and rel < 1e-2
+                if m == 64 and name in ("base", "asm"):
+                    ir.append(dump_kernel(check.last_gemm1, f"GEMM1 M=64 {name} {g1}"))
+                if m == 1 and name in ("base", "asm"):
+                    ir.append(dump_kernel(check.last_gemm1, f"GEMM1 M=1 {name} {g1}"))
+                for inst, (xs, idss, ws) in zip(instances, sets):
+                    inst.align(idss, bm)
+
+                def run_g1():
+                    for inst, (xs, idss, ws) in zip(instances, sets):
+                        inst.gemm1(xs, bm, g1)
+
+                def run_g2():
+                    for inst, (xs, idss, ws) in zip(instances, sets):
+                        inst.gemm2(xs, ws, bm, g2)
+                        inst.topk_sum(xs)
+
+                row["g1_us"] = time_graph(run_g1)[0] / ROTATIONS * 1e3
+                row["g2_us"] = time_graph(run_g2)[0] / ROTATIONS * 1e3
+            except Exception as exc:  # compile failure, out of shared memory: the candidate is out
+                row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            rows.append(row)
+            print(f"M={m:5d} {name:12s} ok={row.get('ok')} rel={row.get('rel_err', float('nan')):.1e} "
+                  f"g1={row.get('g1_us', float('nan')):8.1f} g2+sum={row.get('g2_us', float('nan')):8.1f} "
+                  f"{row.get('error', '')[:160]} [{time.time() - t0:.0f}s]", flush=True)
+        base_row = rows[0]
+        good = [r for r in rows if r.get("ok") and "g1_us" in r]
+        pick = dict(block_m=bm, g1=base["g1"], g2=base["g2"])
+        if base_row.get("ok") and good:
+            # A variant replaces the table's entry only when it is at least 2% faster (noise).
+            b1 = min(good, key=lambda r: r["g1_us"])
+            b2 = min(good, key=lambda r: r["g2_us"])
+            if b1["g1_us"] < 0.98 * base_row["g1_us"]:
+                pick["g1"] = b1["g1"]
+            if b2["g2_us"] < 0.98 * base_row["g2_us"]:
+                pick["g2"] = b2["g2"]
+        chosen[m] = pick
+        report.append(dict(m=m, rows=rows, pick=pick))
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=1, default=str)
+        if args.ir_out and ir:
+            with open(args.ir_out, "w") as fh:
+                fh.write("\n\n".join(ir))
+    # The winners as a table: one row per swept M, equal neighbours merged, the last open-ended.
+    table = []
+    for m in sorted(chosen):
+        if table and table[-1][1] == chosen[m]:
+            table[-1] = (m, chosen[m])
+        else:
+            table.append((m, chosen[m]))
+    table[-1] = (1 << 62, table[-1][1])
+    changed = any(chosen[m] != dict(tm._config_for(shape, m)) for m in chosen)
+    print(f"table differs from the shipped one: {changed}", flush=True)
+    if args.table_out and changed:
+        with open(args.table_out, "w") as fh:
+            json.dump(table, fh, indent=1)
+    print("table:", json.dumps(table), flush=True)
+    print(f"total {time.time() - t0:.0f} s", flush=True)
+    return 0
+
+
+def profile_once(args) -> int:
+    """Two forwards per M of --m-list with the shipped table, for a profiler to pick a launch
+    from (the first of each compiles): `ncu -k regex:_gemm --launch-skip 2 --launch-count 2 ...`."""
+    device = torch.device("cuda:0")
+    weights = quant.random_weights(KIMI, device, seed=0)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(99)
+    for m in (int(v) for v in args.m_list.split(",")):
+        moe = tm.TritonW4A16MoE(weights, m)
+        x, ids, w = routing(m, KIMI, gen, device)
+        for _ in range(2):
+            moe(x, ids, w)
+        torch.cuda.synchronize()
+        print(f"M={m} config {moe.configs_used(m)}", flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--profile-once", action="store_true", help="two plain forwards per M, for ncu")
+    parser.add_argument("--variants", action="store_true", help="sweep variants of the shipped table (GPU)")
+    parser.add_argument("--budget-s", type=float, default=150.0, help="stop trying variants after this")
+    parser.add_argument("--table-out", default="")
+    parser.add_argument("--ir-out", default="")
     parser.add_argument("--m-list", default="1,2,4,8,16,32,64,128,256,512,1024,2048")
     parser.add_argument("--out", default="sweep.json")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--cpu-check", action="store_true", help="small shape on the CPU, interpreter")
     args = parser.parse_args()
+    if args.variants:
+        return variant_sweep(args)
+    if args.profile_once:
+        return profile_once(args)
     shape = KIMI
     device = torch.device("cuda:0")
     if args.cpu_check:

@@ -127,7 +127,8 @@ def estimate(shape: MoEShape, backend: str, max_m: int, routings: int, device_ki
              dtype: str = "bfloat16") -> dict:
     """Device bytes a run needs, without touching a device.
 
-    weights: the packed int4 weights, plus a dequantized copy (activation dtype) for the torch backend.
+    weights: the packed int4 weights, plus a dequantized copy (activation dtype) for the torch
+    backend, or Marlin's repacked copy for the Marlin adapters.
     activations: one set of inputs/outputs per rotated routing at the largest M.
     workspace: the larger of the backend's scratch for all routings' graphs and the phases that
     run alone (ceiling measurement, the float32 correctness reference).
@@ -137,6 +138,9 @@ def estimate(shape: MoEShape, backend: str, max_m: int, routings: int, device_ki
     weights = weights_bytes(shape)
     if backend == "torch":
         weights += dequantized_weights_bytes(shape, element)
+    elif backend.endswith("-marlin"):
+        # Marlin's repacked copy beside ours (ours stays: the float32 reference reads it).
+        weights += weights_bytes(shape)
     per_routing = (
         2 * max_m * shape.hidden * element  # tokens in, output
         + max_m * shape.topk * (4 + 4)  # int32 ids, float32 weights

@@ -1,6 +1,6 @@
 """The payload's own fused W4A16 MoE forward, written in Triton.
 
-One forward is five launches, all with shapes fixed by M (CUDA-graph capturable: no host
+One forward is five launches (six when GEMM1 is split along K), all with shapes fixed by M (CUDA-graph capturable: no host
 synchronisation, no data-dependent shapes; programs past the rows in use exit at once):
 
   1. _align_kernel (one program): count the (token, k) slots per expert, pad each expert's
@@ -30,6 +30,8 @@ TRITON_INTERPRET=1, whose tl.dot is wrong on bf16).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -101,7 +103,40 @@ def _block_owner(pid_b, counts_ptr, starts_ptr, ends_ptr, num_experts, BLOCK_M: 
 
 
 @triton.jit
-def _group_step(a, p, s_lo, s_hi, acc_lo, acc_hi, POST_SCALE: tl.constexpr, SWAP_AB: tl.constexpr):
+def _nibbles(p, CONVERT_ASM: tl.constexpr):
+    """The low and high nibbles u of packed bytes p as the bf16 numbers 128 + u.
+
+    With CONVERT_ASM the bytes are handled four at a time in 32-bit registers (PTX: one byte
+    permute spreads two bytes into the low halves of two 16-bit lanes, one lop3 masks the
+    nibbles and sets the exponent of 128 in both lanes at once), instead of one 16-bit
+    operation per byte and step; GPU only (Triton's interpreter runs no PTX)."""
+    if CONVERT_ASM:
+        lo = tl.inline_asm_elementwise(
+            "{ .reg .b32 t0, t1;\n"
+            "prmt.b32 t0, $2, 0, 0x4140;\n"
+            "prmt.b32 t1, $2, 0, 0x4342;\n"
+            "lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;\n"
+            "lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA; }",
+            "=r,=r,r", [p], dtype=tl.bfloat16, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t0, t1;\n"
+            "prmt.b32 t0, $2, 0, 0x4140;\n"
+            "prmt.b32 t1, $2, 0, 0x4342;\n"
+            "shr.b32 t0, t0, 4;\n"
+            "shr.b32 t1, t1, 4;\n"
+            "lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;\n"
+            "lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA; }",
+            "=r,=r,r", [p], dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        p16 = p.to(tl.uint16)
+        lo = ((p16 & 0xF) | 0x4300).to(tl.bfloat16, bitcast=True)
+        hi = ((p16 >> 4) | 0x4300).to(tl.bfloat16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _group_step(a, p, s_lo, s_hi, acc_lo, acc_hi, POST_SCALE: tl.constexpr, SWAP_AB: tl.constexpr,
+                CONVERT_ASM: tl.constexpr):
     """Add one reduction step: a [BM, BK] activations, p [BK, BN/2] packed bytes, acc_lo / acc_hi
     the even / odd output columns ([BM, BN/2], or [BN/2, BM] when SWAP_AB). With POST_SCALE the
     step is exactly one group (BK = G) and s_lo / s_hi are the [BN/2] float32 scales of the even
@@ -109,9 +144,7 @@ def _group_step(a, p, s_lo, s_hi, acc_lo, acc_hi, POST_SCALE: tl.constexpr, SWAP
 
     A nibble u becomes the bf16 number 128 + u by writing it under the exponent of 128 (0x4300):
     no integer-to-float conversion. q = u - 8, so the weight is (that number - 136) * scale."""
-    p16 = p.to(tl.uint16)
-    lo = ((p16 & 0xF) | 0x4300).to(tl.bfloat16, bitcast=True)
-    hi = ((p16 >> 4) | 0x4300).to(tl.bfloat16, bitcast=True)
+    lo, hi = _nibbles(p, CONVERT_ASM)
     if POST_SCALE:
         # Dot on the shifted integers, then per column: (a . (q + 136) - 136 * sum(a)) * scale.
         lo = lo.to(a.dtype)
@@ -173,6 +206,8 @@ def _gemm1_kernel(
     stride_se,
     stride_sg,
     stride_om,
+    part_ptr,
+    stride_ps,
     TOPK: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -182,13 +217,16 @@ def _gemm1_kernel(
     POST_SCALE: tl.constexpr,
     WHOLE_TILE: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    CONVERT_ASM: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """One block of sorted rows x one tile of BLOCK_N intermediate columns: gate and up tiles
     from w13 (columns n and INTER + n), SiLU(gate) * up stored per sorted row."""
     pid = tl.program_id(0)
     num_n = INTER // BLOCK_N
-    pid_b = pid // num_n
-    pid_n = pid % num_n
+    pid_k = pid % SPLIT_K
+    pid_b = pid // SPLIT_K // num_n
+    pid_n = pid // SPLIT_K % num_n
     expert, rows_used = _block_owner(pid_b, counts_ptr, starts_ptr, ends_ptr, num_experts, BLOCK_M, NUM_BINS)
     if rows_used == 0:
         return
@@ -227,7 +265,9 @@ def _gemm1_kernel(
     wuk_ptrs = wgk_ptrs + INTER // 2
     sgk_ptrs = sg_ptrs[None, :] + tl.arange(0, GROUPS_PER_STEP)[:, None] * stride_sg
     suk_ptrs = sgk_ptrs + INTER
-    for group0 in range(0, K // GROUP, GROUPS_PER_STEP):
+    # With SPLIT_K each program reduces one K // SPLIT_K slice (a whole number of steps).
+    groups_per_split = K // GROUP // SPLIT_K
+    for group0 in range(pid_k * groups_per_split, (pid_k + 1) * groups_per_split, GROUPS_PER_STEP):
         if POST_SCALE or not WHOLE_TILE:
             for gi in tl.static_range(GROUPS_PER_STEP):
                 group = group0 + gi
@@ -242,8 +282,8 @@ def _gemm1_kernel(
                     sg_hi = sg_hi[None, :]
                     su_lo = su_lo[None, :]
                     su_hi = su_hi[None, :]
-                g_lo, g_hi = _group_step(a, pg, sg_lo, sg_hi, g_lo, g_hi, POST_SCALE, SWAP_AB)
-                u_lo, u_hi = _group_step(a, pu, su_lo, su_hi, u_lo, u_hi, POST_SCALE, SWAP_AB)
+                g_lo, g_hi = _group_step(a, pg, sg_lo, sg_hi, g_lo, g_hi, POST_SCALE, SWAP_AB, CONVERT_ASM)
+                u_lo, u_hi = _group_step(a, pu, su_lo, su_hi, u_lo, u_hi, POST_SCALE, SWAP_AB, CONVERT_ASM)
         else:
             # One tile of GROUPS_PER_STEP groups, each weight scaled before a single dot.
             k0 = group0 * GROUP
@@ -252,19 +292,28 @@ def _gemm1_kernel(
             pu = tl.load(wuk_ptrs + k0 * stride_wk)
             sg_lo, sg_hi = _scale_tile(sgk_ptrs + group0 * stride_sg, GROUPS_PER_STEP, GROUP, HALF)
             su_lo, su_hi = _scale_tile(suk_ptrs + group0 * stride_sg, GROUPS_PER_STEP, GROUP, HALF)
-            g_lo, g_hi = _group_step(a, pg, sg_lo, sg_hi, g_lo, g_hi, POST_SCALE, SWAP_AB)
-            u_lo, u_hi = _group_step(a, pu, su_lo, su_hi, u_lo, u_hi, POST_SCALE, SWAP_AB)
+            g_lo, g_hi = _group_step(a, pg, sg_lo, sg_hi, g_lo, g_hi, POST_SCALE, SWAP_AB, CONVERT_ASM)
+            u_lo, u_hi = _group_step(a, pu, su_lo, su_hi, u_lo, u_hi, POST_SCALE, SWAP_AB, CONVERT_ASM)
     if SWAP_AB:
         g_lo = tl.trans(g_lo)
         g_hi = tl.trans(g_hi)
         u_lo = tl.trans(u_lo)
         u_hi = tl.trans(u_hi)
-    h_lo = g_lo * tl.sigmoid(g_lo) * u_lo
-    h_hi = g_hi * tl.sigmoid(g_hi) * u_hi
     out_rows = (pid_b * BLOCK_M + offs_m).to(tl.int64)
-    out_ptrs = out_ptr + out_rows[:, None] * stride_om + even_n[None, :]
-    tl.store(out_ptrs, h_lo.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(out_ptrs + 1, h_hi.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if SPLIT_K == 1:
+        h_lo = g_lo * tl.sigmoid(g_lo) * u_lo
+        h_hi = g_hi * tl.sigmoid(g_hi) * u_hi
+        out_ptrs = out_ptr + out_rows[:, None] * stride_om + even_n[None, :]
+        tl.store(out_ptrs, h_lo.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(out_ptrs + 1, h_hi.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        # float32 partial sums of gate (columns n) and up (INTER + n), one slice per pid_k;
+        # _silu_mul_kernel adds the slices and applies the activation.
+        part_ptrs = part_ptr + pid_k * stride_ps + out_rows[:, None] * (2 * INTER) + even_n[None, :]
+        tl.store(part_ptrs, g_lo, mask=row_ok[:, None])
+        tl.store(part_ptrs + 1, g_hi, mask=row_ok[:, None])
+        tl.store(part_ptrs + INTER, u_lo, mask=row_ok[:, None])
+        tl.store(part_ptrs + INTER + 1, u_hi, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -287,6 +336,8 @@ def _gemm2_kernel(
     stride_se,
     stride_sg,
     stride_om,
+    part_ptr,
+    stride_ps,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -295,13 +346,16 @@ def _gemm2_kernel(
     POST_SCALE: tl.constexpr,
     WHOLE_TILE: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    CONVERT_ASM: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """One block of sorted rows x one tile of BLOCK_N output columns of w2, times each slot's
     top-k weight, stored per slot."""
     pid = tl.program_id(0)
     num_n = N // BLOCK_N
-    pid_b = pid // num_n
-    pid_n = pid % num_n
+    pid_k = pid % SPLIT_K
+    pid_b = pid // SPLIT_K // num_n
+    pid_n = pid // SPLIT_K % num_n
     expert, rows_used = _block_owner(pid_b, counts_ptr, starts_ptr, ends_ptr, num_experts, BLOCK_M, NUM_BINS)
     if rows_used == 0:
         return
@@ -330,7 +384,9 @@ def _gemm2_kernel(
     ak_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     wk_ptrs = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk + (pid_n * HALF + offs_j)[None, :]
     sk_ptrs = s_ptrs[None, :] + tl.arange(0, GROUPS_PER_STEP)[:, None] * stride_sg
-    for group0 in range(0, K // GROUP, GROUPS_PER_STEP):
+    # With SPLIT_K each program reduces one K // SPLIT_K slice (a whole number of steps).
+    groups_per_split = K // GROUP // SPLIT_K
+    for group0 in range(pid_k * groups_per_split, (pid_k + 1) * groups_per_split, GROUPS_PER_STEP):
         if POST_SCALE or not WHOLE_TILE:
             for gi in tl.static_range(GROUPS_PER_STEP):
                 group = group0 + gi
@@ -340,32 +396,66 @@ def _gemm2_kernel(
                 if not POST_SCALE:
                     s_lo = s_lo[None, :]
                     s_hi = s_hi[None, :]
-                acc_lo, acc_hi = _group_step(a, p, s_lo, s_hi, acc_lo, acc_hi, POST_SCALE, SWAP_AB)
+                acc_lo, acc_hi = _group_step(a, p, s_lo, s_hi, acc_lo, acc_hi, POST_SCALE, SWAP_AB, CONVERT_ASM)
         else:
             k0 = group0 * GROUP
             a = tl.load(ak_ptrs + k0, mask=row_ok[:, None], other=0.0)
             p = tl.load(wk_ptrs + k0 * stride_wk)
             s_lo, s_hi = _scale_tile(sk_ptrs + group0 * stride_sg, GROUPS_PER_STEP, GROUP, HALF)
-            acc_lo, acc_hi = _group_step(a, p, s_lo, s_hi, acc_lo, acc_hi, POST_SCALE, SWAP_AB)
+            acc_lo, acc_hi = _group_step(a, p, s_lo, s_hi, acc_lo, acc_hi, POST_SCALE, SWAP_AB, CONVERT_ASM)
     if SWAP_AB:
         acc_lo = tl.trans(acc_lo)
         acc_hi = tl.trans(acc_hi)
     slot = tl.load(sorted_slot_ptr + pid_b * BLOCK_M + offs_m, mask=row_ok, other=0)
     weight = tl.load(topk_weights_ptr + slot, mask=row_ok, other=0.0)
-    out_ptrs = out_ptr + slot.to(tl.int64)[:, None] * stride_om + even_n[None, :]
-    tl.store(out_ptrs, (acc_lo * weight[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(out_ptrs + 1, (acc_hi * weight[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if SPLIT_K == 1:
+        out_ptrs = out_ptr + slot.to(tl.int64)[:, None] * stride_om + even_n[None, :]
+        tl.store(out_ptrs, (acc_lo * weight[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(out_ptrs + 1, (acc_hi * weight[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        # float32 partial per slot and K slice; the top-k sum adds the slices too.
+        part_ptrs = part_ptr + pid_k * stride_ps + slot.to(tl.int64)[:, None] * N + even_n[None, :]
+        tl.store(part_ptrs, acc_lo * weight[:, None], mask=row_ok[:, None])
+        tl.store(part_ptrs + 1, acc_hi * weight[:, None], mask=row_ok[:, None])
 
 
 @triton.jit
-def _topk_sum_kernel(slots_ptr, out_ptr, N, TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
+def _topk_sum_kernel(slots_ptr, out_ptr, N, stride_split, TOPK: tl.constexpr, SPLIT_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """Each token's sum over its top-k slot rows (and over GEMM2's K slices when it was split)."""
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs_n < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k in tl.static_range(TOPK):
-        acc += tl.load(slots_ptr + (token * TOPK + k) * N + offs_n, mask=mask, other=0.0).to(tl.float32)
+    for part in tl.static_range(SPLIT_K):
+        for k in tl.static_range(TOPK):
+            acc += tl.load(slots_ptr + part * stride_split + (token * TOPK + k) * N + offs_n, mask=mask,
+                           other=0.0).to(tl.float32)
     tl.store(out_ptr + token * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(part_ptr, out_ptr, counts_ptr, starts_ptr, ends_ptr, num_experts, INTER, stride_ps,
+                     stride_om, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     NUM_BINS: tl.constexpr):
+    """After a split GEMM1: add the K slices of gate and up, store SiLU(gate) * up per sorted row."""
+    pid_b = tl.program_id(0)
+    _, rows_used = _block_owner(pid_b, counts_ptr, starts_ptr, ends_ptr, num_experts, BLOCK_M, NUM_BINS)
+    if rows_used == 0:
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < rows_used
+    rows = (pid_b * BLOCK_M + offs_m).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ptrs = part_ptr + rows[:, None] * (2 * INTER) + offs_n[None, :]
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for part in tl.static_range(SPLIT_K):
+        gate += tl.load(ptrs + part * stride_ps, mask=row_ok[:, None], other=0.0)
+        up += tl.load(ptrs + part * stride_ps + INTER, mask=row_ok[:, None], other=0.0)
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], h.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
 
 
 # ---------------------------------------------------------------------------
@@ -379,17 +469,43 @@ def _topk_sum_kernel(slots_ptr, out_ptr, N, TOPK: tl.constexpr, BLOCK_N: tl.cons
 #          (cheapest when a block has few rows);
 #   whole  (without post) the whole bk x bn tile is dequantised before one dot per step;
 #          otherwise one dequantised group at a time;
-#   swap   the dot is issued transposed, the weight tile as its left operand.
-# Chosen on one H200 at the kimi-k2.6 shape with tools/kernel_sweep.py; PERFORMANCE.md has the
-# sweep behind each row.
+#   swap   the dot is issued transposed, the weight tile as its left operand;
+#   split  split-K: that many programs share each output tile, each reducing one K slice into
+#          float32 partials (GEMM1: a small kernel adds them and applies SiLU-and-mul; GEMM2:
+#          the top-k sum adds them) -- more bytes in flight when there are few tiles (small M);
+#   asm    nibbles converted four bytes at a time with PTX byte permutes and lop3 (_nibbles).
+# Chosen on one H200 at the kimi-k2.6 shape with `tools/kernel_sweep.py --variants` (a row
+# per swept M, a variant kept only where it was correct and at least 2% faster than the row it
+# replaced); PERFORMANCE.md has the sweep behind each row.
 TILE_TABLE: list[tuple[int, dict]] = [
-    (512, dict(block_m=16, g1=dict(bn=64, bk=128, warps=4, stages=4, post=True, whole=False, swap=False),
-               g2=dict(bn=128, bk=128, warps=4, stages=4, post=True, whole=False, swap=False))),
-    (1024, dict(block_m=32, g1=dict(bn=128, bk=64, warps=8, stages=4, post=False, whole=False, swap=False),
-                g2=dict(bn=128, bk=128, warps=8, stages=3, post=False, whole=False, swap=False))),
-    (1 << 62, dict(block_m=64, g1=dict(bn=64, bk=128, warps=4, stages=3, post=False, whole=True, swap=False),
-                   g2=dict(bn=64, bk=128, warps=4, stages=3, post=False, whole=True, swap=False))),
+    (1, dict(block_m=16,
+         g1=dict(bn=64, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=2, asm=True),
+         g2=dict(bn=128, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=1, asm=False))),
+    (2, dict(block_m=16,
+         g1=dict(bn=64, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=1, asm=False),
+         g2=dict(bn=128, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=1, asm=False))),
+    (4, dict(block_m=16,
+         g1=dict(bn=64, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=2, asm=True),
+         g2=dict(bn=128, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=2, asm=False))),
+    (8, dict(block_m=16,
+         g1=dict(bn=64, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=2, asm=True),
+         g2=dict(bn=128, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=1, asm=False))),
+    (512, dict(block_m=16,
+         g1=dict(bn=64, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=1, asm=True),
+         g2=dict(bn=128, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=1, asm=False))),
+    (1024, dict(block_m=32,
+         g1=dict(bn=128, bk=64, warps=8, stages=4, post=False, whole=False, swap=False, split=1, asm=False),
+         g2=dict(bn=128, bk=128, warps=8, stages=3, post=False, whole=False, swap=False, split=1, asm=False))),
+    (1 << 62, dict(block_m=64,
+         g1=dict(bn=64, bk=128, warps=4, stages=3, post=False, whole=True, swap=False, split=1, asm=True),
+         g2=dict(bn=64, bk=128, warps=4, stages=3, post=False, whole=True, swap=False, split=1, asm=True))),
 ]
+
+
+def _asm_enabled(gemm: dict) -> bool:
+    """The PTX nibble conversion runs on a GPU only; Triton's interpreter falls back to the
+    equivalent 16-bit operations (same bits), so a table row that asks for it still runs there."""
+    return bool(gemm.get("asm", False)) and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
 def _largest_dividing(preferred: int, size: int, floor: int) -> int:
@@ -422,7 +538,11 @@ def _fit(gemm: dict, k: int, n: int, group: int) -> dict:
     bn = _largest_dividing(gemm["bn"], n, 32)
     # The K step is whole groups: k is a multiple of the group, so the group itself always fits.
     bk = group * _largest_dividing(max(1, gemm["bk"] // group), k // group, 1)
-    return dict(gemm, bn=bn, bk=bk)
+    # Split-K: each slice is a whole number of bk steps.
+    split = max(1, gemm.get("split", 1))
+    while split > 1 and (k // bk) % split:
+        split -= 1
+    return dict(gemm, bn=bn, bk=bk, split=split, asm=bool(gemm.get("asm", False)))
 
 
 def _config_for(shape: quant.MoEShape, m: int, table=None) -> dict:
@@ -458,6 +578,31 @@ def _max_block_m(m: int, table=None) -> int:
     return largest
 
 
+def _split_partial_elems(shape: quant.MoEShape, m: int, block_m: int, g1: dict, g2: dict) -> tuple[int, int]:
+    """float32 elements of the split-K partial buffers of GEMM1 and GEMM2 for m tokens (0 unsplit)."""
+    g1_elems = g2_elems = 0
+    if g1.get("split", 1) > 1:
+        rows = triton.cdiv(_padded_rows(shape, m, block_m), block_m) * block_m
+        g1_elems = g1["split"] * rows * 2 * shape.inter
+    if g2.get("split", 1) > 1:
+        g2_elems = g2["split"] * m * shape.topk * shape.hidden
+    return g1_elems, g2_elems
+
+
+def _max_split_elems(shape: quant.MoEShape, m: int, table=None) -> tuple[int, int]:
+    """The largest split-K partial buffers any table row that covers some M <= m needs."""
+    table = TILE_TABLE if table is None else table
+    g1_max = g2_max = 0
+    for limit, entry in table:
+        covered = min(limit, m)
+        cfg = _config_for(shape, covered, table)
+        g1_elems, g2_elems = _split_partial_elems(shape, covered, cfg["block_m"], cfg["g1"], cfg["g2"])
+        g1_max, g2_max = max(g1_max, g1_elems), max(g2_max, g2_elems)
+        if m <= limit:
+            break
+    return g1_max, g2_max
+
+
 def workspace_bytes(shape: quant.MoEShape, m: int, dtype_bytes: int = 2) -> int:
     """Device bytes of the workspace for up to m tokens, output excluded."""
     block_m = _max_block_m(m)
@@ -466,6 +611,7 @@ def workspace_bytes(shape: quant.MoEShape, m: int, dtype_bytes: int = 2) -> int:
         4 * (padded + 4 * shape.experts + 1024)  # sorted slots, per-expert counts/starts/ends/cursors
         + padded * shape.inter * dtype_bytes  # SiLU(gate) * up per sorted row
         + m * shape.topk * shape.hidden * dtype_bytes  # weighted GEMM2 output per slot
+        + 4 * sum(_max_split_elems(shape, m))  # float32 split-K partial sums (small M only)
     )
 
 
@@ -497,6 +643,12 @@ class TritonW4A16MoE:
         self._ends = torch.empty(self._num_bins, dtype=torch.int32, device=device)
         self._cursor = torch.empty(e, dtype=torch.int32, device=device)
         self._device = device
+        # float32 split-K partials for the table's rows; a tuning script that runs other
+        # configurations grows them on first use (before capturing a graph).
+        g1_elems, g2_elems = _max_split_elems(self.shape, max_m, self.table)
+        self._partials = {"g1": torch.empty(g1_elems, dtype=torch.float32, device=device),
+                          "g2": torch.empty(g2_elems, dtype=torch.float32, device=device)}
+        self._g2_split = 1
         # The activation-sized buffers depend on x's dtype: made on first use per dtype
         # (outside a graph capture: the harness warms up before capturing).
 
@@ -509,6 +661,11 @@ class TritonW4A16MoE:
             )
         ws = self._workspace[dtype]
         return ws["inter"], ws["slots"]
+
+    def _partial(self, which: str, elems: int) -> torch.Tensor:
+        if self._partials[which].numel() < elems:
+            self._partials[which] = torch.empty(elems, dtype=torch.float32, device=self._device)
+        return self._partials[which]
 
     def configs_used(self, m: int) -> dict:
         return _config_for(self.shape, m, self.table)
@@ -560,39 +717,61 @@ class TritonW4A16MoE:
         shape = self.shape
         w13 = self.weights.w13
         inter_buf, _ = self._buffers(x.dtype)
-        _gemm1_kernel[(self._blocks_now * (shape.inter // g1["bn"]),)](
+        split = g1.get("split", 1)
+        rows = self._blocks_now * block_m
+        part = self._partial("g1", split * rows * 2 * shape.inter) if split > 1 else inter_buf
+        stride_ps = rows * 2 * shape.inter
+        self.last_gemm1 = _gemm1_kernel[(self._blocks_now * (shape.inter // g1["bn"]) * split,)](
             x, w13.packed, w13.scales, inter_buf, self._sorted_slot, self._counts, self._starts, self._ends,
             shape.experts, shape.hidden, shape.inter,
             x.stride(0), w13.packed.stride(0), w13.packed.stride(1), w13.scales.stride(0), w13.scales.stride(1),
-            inter_buf.stride(0),
+            inter_buf.stride(0), part, stride_ps,
             TOPK=shape.topk, GROUP=shape.group_size, BLOCK_M=block_m, BLOCK_N=g1["bn"],
             GROUPS_PER_STEP=g1["bk"] // shape.group_size, NUM_BINS=self._num_bins,
-            POST_SCALE=g1["post"], WHOLE_TILE=g1.get("whole", False), SWAP_AB=g1["swap"], num_warps=g1["warps"], num_stages=g1["stages"],
+            POST_SCALE=g1["post"], WHOLE_TILE=g1.get("whole", False), SWAP_AB=g1["swap"],
+            CONVERT_ASM=_asm_enabled(g1), SPLIT_K=split, num_warps=g1["warps"], num_stages=g1["stages"],
         )
+        if split > 1:
+            block_n = _largest_dividing(128, shape.inter, 32)
+            _silu_mul_kernel[(self._blocks_now, shape.inter // block_n)](
+                part, inter_buf, self._counts, self._starts, self._ends, shape.experts, shape.inter, stride_ps,
+                inter_buf.stride(0), SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BINS=self._num_bins,
+                num_warps=4,
+            )
 
     def gemm2(self, x: torch.Tensor, topk_weights: torch.Tensor, block_m: int, g2: dict) -> None:
         """Intermediate @ w2 per sorted row, times the slot's top-k weight, into the per-slot buffer."""
         shape = self.shape
         w2 = self.weights.w2
         inter_buf, slot_buf = self._buffers(x.dtype)
-        _gemm2_kernel[(self._blocks_now * (shape.hidden // g2["bn"]),)](
+        split = g2.get("split", 1)
+        stride_ps = self._m * shape.topk * shape.hidden
+        part = self._partial("g2", split * stride_ps) if split > 1 else slot_buf
+        self._g2_split = split
+        _gemm2_kernel[(self._blocks_now * (shape.hidden // g2["bn"]) * split,)](
             inter_buf, w2.packed, w2.scales, slot_buf, topk_weights, self._sorted_slot,
             self._counts, self._starts, self._ends, shape.experts,
             shape.inter, shape.hidden,
             inter_buf.stride(0), w2.packed.stride(0), w2.packed.stride(1), w2.scales.stride(0), w2.scales.stride(1),
-            slot_buf.stride(0),
+            slot_buf.stride(0), part, stride_ps,
             GROUP=shape.group_size, BLOCK_M=block_m, BLOCK_N=g2["bn"],
             GROUPS_PER_STEP=g2["bk"] // shape.group_size, NUM_BINS=self._num_bins,
-            POST_SCALE=g2["post"], WHOLE_TILE=g2.get("whole", False), SWAP_AB=g2["swap"], num_warps=g2["warps"], num_stages=g2["stages"],
+            POST_SCALE=g2["post"], WHOLE_TILE=g2.get("whole", False), SWAP_AB=g2["swap"],
+            CONVERT_ASM=_asm_enabled(g2), SPLIT_K=split, num_warps=g2["warps"], num_stages=g2["stages"],
         )
 
     def topk_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Each token's output: the sum of its top-k weighted slot rows."""
         shape = self.shape
         _, slot_buf = self._buffers(x.dtype)
+        split = self._g2_split
+        stride_split = self._m * shape.topk * shape.hidden
+        if split > 1:
+            slot_buf = self._partial("g2", split * stride_split)
         out = torch.empty((self._m, shape.hidden), dtype=x.dtype, device=x.device)
         sum_block = min(1024, triton.next_power_of_2(shape.hidden))
         _topk_sum_kernel[(self._m, triton.cdiv(shape.hidden, sum_block))](
-            slot_buf, out, shape.hidden, TOPK=shape.topk, BLOCK_N=sum_block, num_warps=4,
+            slot_buf, out, shape.hidden, stride_split, TOPK=shape.topk, SPLIT_K=split, BLOCK_N=sum_block,
+            num_warps=4,
         )
         return out

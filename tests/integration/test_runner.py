@@ -154,10 +154,10 @@ def test_scheduled_job_in_its_window_runs_like_awx_and_reports(tmp_path, simhost
     assert decision["mode"] == "in_window" and decision["allowed"] is True
     assert decision["source"] == "awx_schedule" and decision["scheduled"] is True
     assert decision["awx"]["awx_job_id"] == 4711 and decision["awx"]["awx_schedule_id"] == 12
-    task_order = [event["event_data"].get("task") for event in events if event.get("event") == "playbook_on_task_start"]
-    stop_tasks = [i for i, name in enumerate(task_order) if name and "stop" in name.lower() and "Record" not in name]
-    guard = task_order.index("Record the window decision for the run manifest")
-    assert stop_tasks and guard < min(stop_tasks), "the window guard must run before anything is stopped"
+    task_starts = [event["event_data"] for event in events if event.get("event") == "playbook_on_task_start"]
+    guard = next(i for i, data in enumerate(task_starts) if data.get("task") == "Record the window decision for the run manifest")
+    stop_role = [i for i, data in enumerate(task_starts) if data.get("role") == "service_stop"]
+    assert stop_role and guard < min(stop_role), "the window guard must run before anything is stopped"
 
     # The async job's state lives in the pinned folder on the host, not under anyone's HOME.
     launches = [data for data in ok_results(events) if "ansible_job_id" in data.get("res", {})]

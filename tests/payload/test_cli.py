@@ -81,6 +81,12 @@ def test_estimate_counts_the_torch_backends_dequantized_copy(capsys):
     assert torch_["weights_bytes"] - triton["weights_bytes"] == perfmodel.dequantized_weights_bytes(k26)
 
 
+def test_estimate_counts_marlins_repacked_copy(capsys):
+    triton = json.loads(run_main(capsys, "--estimate", "--backend", "triton")[1])
+    marlin = json.loads(run_main(capsys, "--estimate", "--backend", "vllm-marlin")[1])
+    assert marlin["weights_bytes"] == 2 * triton["weights_bytes"]
+
+
 def test_estimate_grows_with_m_and_shrinks_with_tp(capsys):
     small = json.loads(run_main(capsys, "--estimate", "--m-list", "1")[1])
     large = json.loads(run_main(capsys, "--estimate", "--m-list", "1,4096")[1])

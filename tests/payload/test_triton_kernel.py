@@ -82,6 +82,9 @@ MODES = [
     dict(block_m=16, post=True, swap=True),
     dict(block_m=32, post=False, whole=False, swap=False),
     dict(block_m=64, post=False, whole=True, swap=True),
+    # Split-K: GEMM1's K (96) is 3 steps, GEMM2's (160) 5, so split=5 shrinks to 3 and 5.
+    dict(block_m=16, post=True, swap=False, split=5, asm=True),
+    dict(block_m=32, post=False, whole=True, swap=False, split=5),
 ]
 
 
@@ -96,6 +99,31 @@ def test_odd_shape_every_mode(mode, dtype, m):
     out = moe(x, ids, wts)
     assert out.dtype == dtype
     assert relative_error(out, reference(weights, x, ids, wts)) < BOUND[dtype]
+    if mode.get("split"):
+        used = moe.configs_used(m)
+        assert (used["g1"]["split"], used["g2"]["split"]) == (3, 5)
+
+
+def test_split_k_shrinks_to_whole_steps_and_is_counted_in_the_workspace():
+    shape = quant.MoEShape(experts=384, hidden=7168, inter=2048, topk=8, group_size=32)
+    fitted = tm._fit(dict(bn=64, bk=128, warps=4, stages=4, post=True, swap=False, split=3), 7168, 2048, 32)
+    assert fitted["split"] == 2  # 56 steps of 128: 3 slices would not be whole steps
+    table = single_entry_table(16, split=4)
+    unsplit = single_entry_table(16)
+    moe = tm.TritonW4A16MoE(quant.random_weights(TABLE_SHAPE, "cpu"), max_m=9, table=table)
+    g1_elems, g2_elems = tm._max_split_elems(TABLE_SHAPE, 9, table)
+    assert moe._partials["g1"].numel() == g1_elems > 0 and moe._partials["g2"].numel() == g2_elems > 0
+    assert tm._max_split_elems(TABLE_SHAPE, 9, unsplit) == (0, 0)
+    # The shipped table splits at small M: its partial buffers are part of the workspace.
+    if any(e["g1"].get("split", 1) > 1 or e["g2"].get("split", 1) > 1 for _, e in tm.TILE_TABLE):
+        assert sum(tm._max_split_elems(shape, 2048)) > 0
+        assert tm.workspace_bytes(shape, 2048) >= 4 * sum(tm._max_split_elems(shape, 2048))
+
+
+def test_ptx_conversion_is_off_under_the_interpreter():
+    """Triton's interpreter runs no PTX: a row asking for it falls back to the same bits."""
+    assert tm._asm_enabled(dict(asm=True)) is (os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+    assert tm._asm_enabled(dict(asm=False)) is False
 
 
 def test_many_blocks_per_expert_and_large_group():

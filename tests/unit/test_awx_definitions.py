@@ -222,17 +222,19 @@ def test_a_scheduled_launch_at_the_opening_fits_its_window(window):
     plan_filters = _load_filter("moe_bench").FilterModule().filters()
     if "moe_bench_plan" not in plan_filters:
         return
-    plan = plan_filters["moe_bench_plan"](
-        {
-            "bench_budget_s": answers["moe_bench_bench_budget_s"],
-            "load_budget_s": answers["moe_bench_load_budget_s"],
-            "bench_poll_s": PLAN_OPTIONS["moe_bench_bench_poll_s"]["default"],
-            "health_poll_s": PLAN_OPTIONS["moe_bench_health_poll_s"]["default"],
-            "stop_margin_s": PLAN_OPTIONS["moe_bench_stop_margin_s"]["default"],
-            "vram_timeout_s": PLAN_OPTIONS["moe_bench_vram_timeout_s"]["default"],
-            "vram_interval_s": PLAN_OPTIONS["moe_bench_vram_interval_s"]["default"],
-        }
-    )
+    # The budgets exactly as bench_plan hands them to the filter: its own mapping of
+    # moe_bench_* inputs to filter keys, read from its tasks, and the argument spec's defaults.
+    plan_tasks = (REPO / "roles" / "bench_plan" / "tasks" / "main.yml").read_text()
+    mapping = dict(re.findall(r"'(\w+_s)':\s*(moe_bench_\w+)", plan_tasks))
+    assert mapping, "bench_plan no longer maps moe_bench_* budgets to moe_bench_plan keys"
+    budgets = {}
+    for key, variable in mapping.items():
+        if variable in answers:
+            budgets[key] = answers[variable]
+        else:
+            assert "default" in PLAN_OPTIONS.get(variable, {}), f"{variable} has no default in bench_plan's spec"
+            budgets[key] = PLAN_OPTIONS[variable]["default"]
+    plan = plan_filters["moe_bench_plan"](budgets)
     downtime = plan.get("planned_downtime_s", plan.get("downtime_s"))
     assert downtime is not None, f"moe_bench_plan gives no planned downtime: {sorted(plan)}"
     decision = mw.check_window(window, downtime, now=launched)
