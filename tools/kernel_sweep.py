@@ -9,6 +9,10 @@ Prints a compact table last; full numbers go to --out as JSON.
 
 With --variants: for every M, the shipped table's row against variants of it (see variants()),
 each checked against the float32 reference before timing; the winners go to --table-out.
+With --profile-once: two plain forwards per M with the shipped table, for Nsight Compute:
+  ncu --clock-control none -k regex:_gemm[12]_kernel --launch-skip 2 --launch-count 2 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+      python3 tools/kernel_sweep.py --profile-once --m-list 64
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The payload's own fused W4A16 MoE forward, written in Triton.
 
-One forward is five launches (six when GEMM1 is split along K), all with shapes fixed by M (CUDA-graph capturable: no host
-synchronisation, no data-dependent shapes; programs past the rows in use exit at once):
+One forward is five launches (six when GEMM1 is split along K), all with shapes fixed by M
+(CUDA-graph capturable: no host synchronisation, no data-dependent shapes; programs past the
+rows in use exit at once):
 
   1. _align_kernel (one program): count the (token, k) slots per expert, pad each expert's
      count to a multiple of BLOCK_M, and store each expert's count and start and end of its
@@ -15,6 +16,10 @@ synchronisation, no data-dependent shapes; programs past the rows in use exit at
   4. _gemm2_kernel: the intermediate block against w2, scaled by each slot's top-k weight in
      the epilogue, stored per slot.
   5. _topk_sum_kernel: each token's sum over its top-k slots, in float32.
+
+With split-K (small M) each GEMM tile is shared by several programs, each reducing one slice of
+K into float32 partials: GEMM1's are added by _silu_mul_kernel (the extra launch), which then
+applies SiLU-and-mul; GEMM2's are added by the top-k sum along with the slots.
 
 Weights are in the packed layout of quant.py: uint8 [E, K, N // 2], two N-neighbours per
 byte (low nibble first, stored as q + 8), bf16 scales [E, K // group, N]. The kernels never

@@ -160,7 +160,7 @@ def test_scheduled_job_in_its_window_runs_like_awx_and_reports(tmp_path, simhost
     assert stop_role and guard < min(stop_role), "the window guard must run before anything is stopped"
 
     # The async job's state lives in the pinned folder on the host, not under anyone's HOME.
-    launches = [data for data in ok_results(events) if "ansible_job_id" in data.get("res", {})]
+    launches = [data for data in ok_results(events) if {"ansible_job_id", "results_file"} <= set(data.get("res", {}))]
     assert launches, "no async launch event"
     for launch in launches:
         assert launch["res"]["results_file"].startswith(f"{STATE_DIR}/async/"), launch["res"]["results_file"]
@@ -181,7 +181,9 @@ def test_scheduled_job_in_its_window_runs_like_awx_and_reports(tmp_path, simhost
     for name in ("results.json", "manifest.json", "summary.md"):
         assert (pushed_run / name).read_bytes() == (run_dirs[0] / name).read_bytes()
     manifest = json.loads((pushed_run / "manifest.json").read_text())
-    assert "maintenance_window" in json.dumps(manifest), "the manifest should record the window decision"
+    assert "maintenance_window" in manifest, "the manifest should record maintenance_window_decision"
+    assert manifest["maintenance_window"]["mode"] == "in_window"
+    assert manifest["maintenance_window"]["source"] == "awx_schedule"
 
 
 def test_scheduled_job_outside_its_window_refuses_before_the_stop(tmp_path, simhost, monkeypatch):

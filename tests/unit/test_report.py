@@ -89,12 +89,14 @@ def test_knee_and_saturation_on_the_h200_run(real_document):
     # from the knee on that grows by 50% or more.
     assert all(growth[m] >= figures.DEFAULT_KNEE_GROWTH for m in growth if m < knee["m"])
     assert growth[knee["m"]] < figures.DEFAULT_KNEE_GROWTH
-    assert all(growth[m] < figures.DEFAULT_SATURATION_GROWTH for m in growth if knee["m"] <= m < saturation["m"])
-    assert growth[saturation["m"]] >= figures.DEFAULT_SATURATION_GROWTH
+    end = saturation["m"] if saturation else max(growth) + 1
+    assert all(growth[m] < figures.DEFAULT_SATURATION_GROWTH for m in growth if knee["m"] <= m < end)
+    if saturation:
+        assert growth[saturation["m"]] >= figures.DEFAULT_SATURATION_GROWTH
     assert knee["us"] == by_m[knee["m"]]["us"]
-    # On this H200 run (Triton kernel): 64 -> 128 still +27% (experts being touched), 128 ->
-    # 256 +8%, flat-ish up to 1024, then 1024 -> 2048 nearly doubles the time.
-    assert (knee["m"], saturation["m"]) == (128, 1024)
+    # On this H200 run (Triton kernel) time still grows by a fifth or more per doubling up to
+    # M=128 (new experts being touched) and flattens after it: the plateau of the field notes.
+    assert knee["m"] == 128
 
 
 def test_saturation_needs_a_knee_and_a_steep_step_after_it():
@@ -184,8 +186,10 @@ def test_report_files_manifest_and_summary_from_the_h200_run(tmp_path, real_docu
         assert f"{row['us']:,.1f}" in text
         assert f"{row['pct_of_floor']:.1f}%" in text
     assert f"| {headline['knee_m']} **knee** |" in text
-    assert headline["saturation_m"] == figures.find_saturation(rows, figures.find_knee(rows))["m"]
-    assert f"| {headline['saturation_m']} **saturation** |" in text
+    saturation = figures.find_saturation(rows, figures.find_knee(rows))
+    assert headline["saturation_m"] == (saturation["m"] if saturation else None)
+    if saturation:
+        assert f"| {headline['saturation_m']} **saturation** |" in text
     assert f"**Backend:** {real_document['config']['backend']}; **ceilings:**" in text
     assert "12 min 29 s (749 s)" in text
     assert "AWX job 4321" in text and "weekly h200" in text
