@@ -40,8 +40,9 @@ def assert_reattached_and_recovered(host, run, results_dir, run_id, jid, since_e
     assert host.health_status() == 200
     assert not host.timer_loaded(), "dead-man timer left armed"
     assert host.exec("test -e %s/lock" % STATE_DIR, check=False).returncode != 0, "lock not released"
-    (fetched,) = fetched_run_dirs(results_dir, host)
-    assert fetched.name == run_id
+    # The re-run fetches into the re-attached run's folder (its own new run id is never used).
+    fetched = results_dir / host.name / run_id
+    assert fetched in fetched_run_dirs(results_dir, host), fetched_run_dirs(results_dir, host)
     results = json.loads((fetched / "results.json").read_text())
     assert results["status"] == "complete", results["status"]
     assert [row["m"] for row in results["results"]] == [int(m) for m in MID_RUN_M_LIST.split(",")]
