@@ -202,6 +202,7 @@ def build_manifest(
         },
         "timeline": timeline(given),
         "launch": launch,
+        "maintenance_window": given.get("maintenance_window") if isinstance(given.get("maintenance_window"), dict) else None,
         "plan": plan,
         "files_sha256": {name: digest for name, digest in fetched.items() if digest},
     }
