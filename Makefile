@@ -12,8 +12,14 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 demo: venv host-up
 	$(ANSIBLE_PLAYBOOK) -i inventory/demo playbooks/moe_bench.yml
 
-## test: the whole suite (lint, unit, payload, Molecule, integration)
-test: venv host-image lint unit payload-test molecule integration
+## test: the whole suite (lint, unit, payload, Molecule, integration), then one summary line
+test: venv host-image
+	@rm -rf .cache/junit-*.xml .cache/molecule-recap.txt
+	@status=0; for target in lint unit payload-test molecule integration; do \
+		$(MAKE) --no-print-directory $$target || status=1; \
+	done; \
+	$(VENV)/bin/python scripts/test-summary || status=1; \
+	exit $$status
 
 venv:
 	scripts/bootstrap
@@ -31,19 +37,20 @@ host-down:
 	simhost/down
 
 lint: venv
-	$(VENV)/bin/ansible-lint --profile production
+	mkdir -p .cache
+	$(VENV)/bin/ansible-lint --profile production && echo pass > .cache/lint.txt || { echo fail > .cache/lint.txt; exit 1; }
 
 unit: venv
-	$(VENV)/bin/pytest -q tests/unit
+	$(VENV)/bin/pytest -q tests/unit --junitxml=.cache/junit-unit.xml
 
 payload-test: venv
-	.venv-payload/bin/pytest -q tests/payload
+	.venv-payload/bin/pytest -q tests/payload --junitxml=.cache/junit-payload.xml
 
 molecule: venv host-image
 	tests/run-molecule
 
 integration: venv host-image
-	$(VENV)/bin/pytest -q tests/integration
+	$(VENV)/bin/pytest -q tests/integration --junitxml=.cache/junit-integration.xml
 
 clean: host-down
 	rm -rf results
