@@ -1,0 +1,1 @@
+../../plugins/callback/moe_bench_progress.py
