@@ -2,9 +2,15 @@
 the opt-in kill only the stopped unit's leftovers die, never an unrelated process."""
 
 import json
+import re
 
 from conftest import fetched_run_dirs, wait_until
 
+
+
+def _holder_row(output: str, pid: int) -> bool:
+    """The failure message's holder table has a row for `pid` (GPU, PID, process, MiB, unit)."""
+    return re.search(r"(?:^|\\n|\n)\s*\d+\s+%d\s+\S+\s+\d+\s" % pid, output) is not None
 
 def leak_child_pids(host):
     """The fake server's leaking child: in the unit's cgroup, not its main pid."""
@@ -20,7 +26,7 @@ def test_leftover_holding_memory_fails_with_holder_table(simhost, run_playbook):
     assert run.rc != 0, run.describe()
     assert "GPU memory was not released" in run.stdout, run.describe()
     assert "Holders:" in run.stdout, run.describe()
-    assert any("pid %d " % pid in run.stdout for pid in leaked), (leaked, run.describe())
+    assert any(_holder_row(run.stdout, pid) for pid in leaked), (leaked, run.describe())
     assert "moe_bench_kill_unit_leftovers=true" in run.stdout, run.describe()
     # Nothing was killed without the opt-in, and the service is back.
     assert all(simhost.pid_alive(pid) for pid in leaked)
@@ -56,7 +62,7 @@ def test_unrelated_holder_blocking_the_gpu_is_reported_never_killed(simhost, run
                                  "moe_bench_vram_interval_s": 1})
     assert run.rc != 0, run.describe()
     assert "GPU memory was not released" in run.stdout, run.describe()
-    assert "pid %d " % stray in run.stdout, run.describe()
+    assert _holder_row(run.stdout, stray), run.describe()
     assert simhost.pid_alive(stray), "an unrelated GPU memory holder was killed"
     assert simhost.unit_show()["ActiveState"] == "active"
     assert simhost.health_status() == 200
