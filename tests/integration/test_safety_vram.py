@@ -25,7 +25,7 @@ def test_leftover_holding_memory_fails_with_holder_table(simhost, run_playbook):
     run = run_playbook(simhost, {"moe_bench_vram_timeout_s": 6, "moe_bench_vram_interval_s": 1})
     assert run.rc != 0, run.describe()
     assert "GPU memory was not released" in run.stdout, run.describe()
-    assert "Holders:" in run.stdout, run.describe()
+    assert "Processes holding memory:" in run.stdout, run.describe()
     assert any(_holder_row(run.stdout, pid) for pid in leaked), (leaked, run.describe())
     assert "moe_bench_kill_unit_leftovers=true" in run.stdout, run.describe()
     # Nothing was killed without the opt-in, and the service is back.
