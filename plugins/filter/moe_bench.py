@@ -95,6 +95,11 @@ def _retries(total_s, interval_s):
     return int(math.ceil(float(total_s) / interval_s)) + 1
 
 
+def moe_bench_retries(total_s, interval_s):
+    """The plan's retry count for one until loop, for roles used outside a planned run."""
+    return _retries(_number("total_s", total_s), _number("interval_s", interval_s))
+
+
 def _iso(epoch):
     return datetime.fromtimestamp(epoch, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -198,4 +203,5 @@ class FilterModule(object):
             "moe_bench_plan": moe_bench_plan,
             "moe_bench_m_list": moe_bench_m_list,
             "moe_bench_run_id": moe_bench_run_id,
+            "moe_bench_retries": moe_bench_retries,
         }

@@ -143,3 +143,11 @@ def test_filters_are_registered():
     assert registered["moe_bench_plan"] is filters.moe_bench_plan
     assert registered["moe_bench_m_list"] is filters.moe_bench_m_list
     assert registered["moe_bench_run_id"] is filters.moe_bench_run_id
+
+
+def test_retries_helper_matches_the_plan():
+    plan = filters.moe_bench_plan({"bench_budget_s": 600, "async_margin_s": 60, "poll_interval_s": 7, "stop_timeout_s": 30,
+                           "load_budget_s": 900, "health_poll_s": 10, "vram_wait_s": 60, "vram_interval_s": 5,
+                           "deadman_margin_s": 300, "lock_ttl_margin_s": 300})
+    assert filters.moe_bench_retries(900, 10) == plan["health_retries"] == 91
+    assert filters.moe_bench_retries("95", 10) == 11
