@@ -160,7 +160,7 @@ def import_triton_moe():
 def gptq_qweight(linear: quant.PackedLinear) -> torch.Tensor:
     """Our packed int4 -> GPTQ's int32 [E, K / 8, N]: eight K-neighbours per word, low nibble
     first, stored unsigned with the symmetric zero point 8 (Marlin's uint4b8)."""
-    experts, k, _ = linear.packed.shape
+    experts, k = linear.packed.shape[0], linear.k
     if k % 8:
         raise BackendUnavailable(f"Marlin needs the reduction size ({k}) to be a multiple of 8")
     words = []

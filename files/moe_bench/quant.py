@@ -4,14 +4,22 @@ Per expert the layer holds two matrices in math form (y = x @ W.T):
   w13: [2*inter, hidden]  gate rows [0, inter) then up rows [inter, 2*inter)
   w2:  [hidden, inter]
 
-Stored transposed, K-major with two N-neighbours per byte, so a kernel loads a
-[BLOCK_K, BLOCK_N // 2] tile with N contiguous and unpacks it with one join:
+Stored one output column per row, its K values contiguous, two K values per byte, so a
+kernel reads each column's weights as whole 16-byte runs (wide shared-memory and register
+loads) and never has to interleave nibbles: within every aligned chunk of 32 K values, byte j
+holds value j in its low nibble and value 16 + j in its high nibble. The low nibbles of a
+tile are therefore the first halves of its chunks and the high nibbles the second halves; a
+kernel multiplies each half by the matching half of the activations (any order of K gives the
+same dot product, as long as both operands use it).
 
-  packed[e, k, j] = (q[e, k, 2j] + 8) | ((q[e, k, 2j + 1] + 8) << 4)      uint8 [E, K, N // 2]
+  packed[e, n, 16c + j] = (q[e, 32c + j, n] + 8) | ((q[e, 32c + 16 + j, n] + 8) << 4)
+                                                        uint8 [E, N, K // 2], j in [0, 16)
   scales[e, g, n] = bf16 scale of rows k in [g * group, (g + 1) * group)   bf16  [E, K // group, N]
   W.T[e, k, n]    = q[e, k, n] * scales[e, k // group, n]                  q in [-8, 7]
 
-K is the GEMM's reduction size (hidden for w13, inter for w2), N its output size.
+When K is not a multiple of 32, the last r = K mod 32 values form one shorter chunk, paired
+the same way (value j with value r / 2 + j). K is the GEMM's reduction size (hidden for w13,
+inter for w2), N its output size.
 """
 
 from __future__ import annotations
@@ -50,17 +58,17 @@ class MoEShape:
 class PackedLinear:
     """One packed weight for all experts: GEMM of reduction size k, output size n."""
 
-    packed: torch.Tensor  # uint8 [E, k, n // 2]
+    packed: torch.Tensor  # uint8 [E, n, k // 2]
     scales: torch.Tensor  # bf16  [E, k // group, n]
     group_size: int
 
     @property
     def k(self) -> int:
-        return self.packed.shape[1]
+        return self.packed.shape[2] * 2
 
     @property
     def n(self) -> int:
-        return self.packed.shape[2] * 2
+        return self.packed.shape[1]
 
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size() + self.scales.numel() * self.scales.element_size()
@@ -89,7 +97,7 @@ def weights_bytes(shape: MoEShape) -> int:
 
 def _random_packed_linear(experts: int, k: int, n: int, group_size: int, device, generator) -> PackedLinear:
     # Built in place in the final layout: peak device memory is the final weights alone.
-    packed = torch.randint(0, 256, (experts, k, n // 2), dtype=torch.uint8, device=device, generator=generator)
+    packed = torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, device=device, generator=generator)
     # Scales keep every output near unit variance for unit-variance inputs:
     # var(q) for q uniform on [-8, 7] is 21.25, so scale ~ 1 / sqrt(21.25 * k).
     base = 1.0 / math.sqrt(21.25 * k)
@@ -109,21 +117,41 @@ def random_weights(shape: MoEShape, device: torch.device | str, seed: int = 0) -
     return MoEWeights(shape=shape, w13=w13, w2=w2)
 
 
+CHUNK = 32  # K values per pairing chunk (see the module docstring)
+
+
+def pair_index(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each byte b of a packed column of k values: the K index of its low and of its high
+    nibble ([k // 2] each)."""
+    if k % 2:
+        raise ValueError(f"the reduction size must be even, got {k}")
+    b = torch.arange(k // 2)
+    full = k // CHUNK * (CHUNK // 2)  # bytes in whole chunks
+    tail_half = (k % CHUNK) // 2
+    low = torch.where(b < full, b // 16 * CHUNK + b % 16, k // CHUNK * CHUNK + (b - full))
+    high = torch.where(b < full, low + CHUNK // 2, low + tail_half)
+    return low, high
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., n // 2] -> int8 [..., n] in [-8, 7], low nibble first."""
-    low = (packed & 0x0F).to(torch.int8) - 8
-    high = (packed >> 4).to(torch.int8) - 8
-    return torch.stack((low, high), dim=-1).flatten(-2)
+    """uint8 [..., n, k // 2] -> int8 [..., k, n] in [-8, 7] (W.T's layout)."""
+    k = packed.shape[-1] * 2
+    low, high = pair_index(k)
+    q = torch.empty((*packed.shape[:-1], k), dtype=torch.int8, device=packed.device)
+    q[..., low.to(packed.device)] = (packed & 0x0F).to(torch.int8) - 8
+    q[..., high.to(packed.device)] = (packed >> 4).to(torch.int8) - 8
+    return q.transpose(-1, -2)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """int [..., n] in [-8, 7] -> uint8 [..., n // 2]; the inverse of unpack_int4."""
-    if q.shape[-1] % 2:
-        raise ValueError("last dimension must be even")
+    """int [..., k, n] in [-8, 7] -> uint8 [..., n, k // 2]; the inverse of unpack_int4."""
+    if q.shape[-2] % 2:
+        raise ValueError("the reduction (second to last) dimension must be even")
     if int(q.min()) < -8 or int(q.max()) > 7:
         raise ValueError("int4 values must lie in [-8, 7]")
-    u = (q.to(torch.int16) + 8).to(torch.uint8)
-    return u[..., 0::2] | (u[..., 1::2] << 4)
+    u = (q.to(torch.int16) + 8).to(torch.uint8).transpose(-1, -2)
+    low, high = pair_index(q.shape[-2])
+    return (u[..., low.to(q.device)] | (u[..., high.to(q.device)] << 4)).contiguous()
 
 
 def dequantize(linear: PackedLinear, experts: torch.Tensor | None = None, dtype=torch.float32) -> torch.Tensor:

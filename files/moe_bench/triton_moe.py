@@ -21,17 +21,20 @@ With split-K (small M) each GEMM tile is shared by several programs, each reduci
 K into float32 partials: GEMM1's are added by _silu_mul_kernel (the extra launch), which then
 applies SiLU-and-mul; GEMM2's are added by the top-k sum along with the slots.
 
-Weights are in the packed layout of quant.py: uint8 [E, K, N // 2], two N-neighbours per
-byte (low nibble first, stored as q + 8), bf16 scales [E, K // group, N]. The kernels never
-interleave the two nibbles: the low nibbles are the even output columns and the high ones
-the odd columns, each with its own accumulator, interleaved only when the result is stored.
-A nibble becomes a number without an integer conversion: written under the bf16 exponent of
-128 it reads as 128 + (q + 8), so q = that - 136.
+Weights are in the packed layout of quant.py: uint8 [E, N, K // 2], each output column's K
+values contiguous, and inside every 32-value chunk of K byte j holds value j (low nibble) and
+value 16 + j (high nibble). A step of the reduction loads a [BK / 2, BN] byte tile whose
+columns are whole 16-byte runs (wide loads into shared memory and out of it, straight into the
+tensor-core operand layout); its low nibbles are the first halves of the step's 32-value
+chunks and its high nibbles the second halves, so each is one dot against the matching half
+of the activations (gathered with the same index pattern): no nibble is ever interleaved.
+A nibble u becomes a number without an integer conversion: written under the bf16 exponent of
+128 it reads as 128 + u, and one bf16 fused multiply-add makes it q = u - 8, exactly.
 
-Constraints (ValueError otherwise): group size a power of two, at least 16; hidden and inter
-multiples of 32 and of the group size. Tiles come from TILE_TABLE per M, shrunk to divide the
-shape. Activations: bf16 on a GPU; float16 / float32 work too (the CPU tests use them under
-TRITON_INTERPRET=1, whose tl.dot is wrong on bf16).
+Constraints (ValueError otherwise): group size a power of two, at least 32 (so every 32-value
+chunk lies inside one group); hidden and inter multiples of the group size. Tiles come from
+TILE_TABLE per M, shrunk to divide the shape. Activations: bf16 on a GPU; float16 / float32
+work too (the CPU tests use them under TRITON_INTERPRET=1, whose tl.dot is wrong on bf16).
 """
 
 from __future__ import annotations
@@ -108,88 +111,154 @@ def _block_owner(pid_b, counts_ptr, starts_ptr, ends_ptr, num_experts, BLOCK_M: 
 
 
 @triton.jit
-def _nibbles(p, CONVERT_ASM: tl.constexpr):
-    """The low and high nibbles u of packed bytes p as the bf16 numbers 128 + u.
+def _dequant(p, CONVERT_ASM: tl.constexpr):
+    """Packed bytes p -> (low, high): the int4 values q = u - 8 of the low and the high nibbles,
+    as exact bf16 numbers.
 
-    With CONVERT_ASM the bytes are handled four at a time in 32-bit registers (PTX: one byte
-    permute spreads two bytes into the low halves of two 16-bit lanes, one lop3 masks the
-    nibbles and sets the exponent of 128 in both lanes at once), instead of one 16-bit
-    operation per byte and step; GPU only (Triton's interpreter runs no PTX)."""
+    A nibble u written under the bf16 exponent of 128 (0x4300) reads as 128 + u: no
+    integer-to-float conversion; one fused multiply-add per two values then subtracts 136.
+    With CONVERT_ASM that runs on four bytes at a time in 32-bit registers (PTX: a byte permute
+    spreads two bytes into the low halves of two 16-bit lanes, one lop3 masks the nibbles and
+    sets the exponent in both lanes, one bf16x2 fma); GPU only (Triton's interpreter runs no PTX)."""
     if CONVERT_ASM:
         lo = tl.inline_asm_elementwise(
-            "{ .reg .b32 t0, t1;\n"
+            "{ .reg .b32 t0, t1, one, off;\n"
+            "mov.b32 one, 0x3F803F80;\n"
+            "mov.b32 off, 0xC308C308;\n"
             "prmt.b32 t0, $2, 0, 0x4140;\n"
             "prmt.b32 t1, $2, 0, 0x4342;\n"
-            "lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;\n"
-            "lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA; }",
+            "lop3.b32 t0, t0, 0x000F000F, 0x43004300, 0xEA;\n"
+            "lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;\n"
+            "fma.rn.bf16x2 $0, t0, one, off;\n"
+            "fma.rn.bf16x2 $1, t1, one, off; }",
             "=r,=r,r", [p], dtype=tl.bfloat16, is_pure=True, pack=4)
         hi = tl.inline_asm_elementwise(
-            "{ .reg .b32 t0, t1;\n"
-            "prmt.b32 t0, $2, 0, 0x4140;\n"
-            "prmt.b32 t1, $2, 0, 0x4342;\n"
-            "shr.b32 t0, t0, 4;\n"
-            "shr.b32 t1, t1, 4;\n"
-            "lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;\n"
-            "lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA; }",
+            "{ .reg .b32 s, t0, t1, one, off;\n"
+            "mov.b32 one, 0x3F803F80;\n"
+            "mov.b32 off, 0xC308C308;\n"
+            "shr.b32 s, $2, 4;\n"
+            "prmt.b32 t0, s, 0, 0x4140;\n"
+            "prmt.b32 t1, s, 0, 0x4342;\n"
+            "lop3.b32 t0, t0, 0x000F000F, 0x43004300, 0xEA;\n"
+            "lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;\n"
+            "fma.rn.bf16x2 $0, t0, one, off;\n"
+            "fma.rn.bf16x2 $1, t1, one, off; }",
             "=r,=r,r", [p], dtype=tl.bfloat16, is_pure=True, pack=4)
     else:
         p16 = p.to(tl.uint16)
-        lo = ((p16 & 0xF) | 0x4300).to(tl.bfloat16, bitcast=True)
-        hi = ((p16 >> 4) | 0x4300).to(tl.bfloat16, bitcast=True)
+        lo = ((p16 & 0xF) | 0x4300).to(tl.bfloat16, bitcast=True).to(tl.float32) - 136.0
+        hi = ((p16 >> 4) | 0x4300).to(tl.bfloat16, bitcast=True).to(tl.float32) - 136.0
     return lo, hi
 
 
 @triton.jit
-def _group_step(a, p, s_lo, s_hi, acc_lo, acc_hi, POST_SCALE: tl.constexpr, SWAP_AB: tl.constexpr,
-                CONVERT_ASM: tl.constexpr):
-    """Add one reduction step: a [BM, BK] activations, p [BK, BN/2] packed bytes, acc_lo / acc_hi
-    the even / odd output columns ([BM, BN/2], or [BN/2, BM] when SWAP_AB). With POST_SCALE the
-    step is exactly one group (BK = G) and s_lo / s_hi are the [BN/2] float32 scales of the even
-    / odd columns; without it they are [BK or 1, BN/2] tiles, one scale per weight row.
-
-    A nibble u becomes the bf16 number 128 + u by writing it under the exponent of 128 (0x4300):
-    no integer-to-float conversion. q = u - 8, so the weight is (that number - 136) * scale."""
-    lo, hi = _nibbles(p, CONVERT_ASM)
-    if POST_SCALE:
-        # Dot on the shifted integers, then per column: (a . (q + 136) - 136 * sum(a)) * scale.
-        lo = lo.to(a.dtype)
-        hi = hi.to(a.dtype)
-        shift = 136.0 * tl.sum(a.to(tl.float32), axis=1)
-        if SWAP_AB:
-            at = tl.trans(a)
-            d_lo = tl.dot(tl.trans(lo), at)
-            d_hi = tl.dot(tl.trans(hi), at)
-            acc_lo += (d_lo - shift[None, :]) * s_lo[:, None]
-            acc_hi += (d_hi - shift[None, :]) * s_hi[:, None]
-        else:
-            d_lo = tl.dot(a, lo)
-            d_hi = tl.dot(a, hi)
-            acc_lo += (d_lo - shift[:, None]) * s_lo[None, :]
-            acc_hi += (d_hi - shift[:, None]) * s_hi[None, :]
-    else:
-        # Dequantise the tile (here s_lo / s_hi are 2-D, one scale per weight): one fused
-        # multiply-add per weight, exact before the final rounding.
-        w_lo = (lo.to(tl.float32) * s_lo - 136.0 * s_lo).to(a.dtype)
-        w_hi = (hi.to(tl.float32) * s_hi - 136.0 * s_hi).to(a.dtype)
-        if SWAP_AB:
-            at = tl.trans(a)
-            acc_lo = tl.dot(tl.trans(w_lo), at, acc_lo)
-            acc_hi = tl.dot(tl.trans(w_hi), at, acc_hi)
-        else:
-            acc_lo = tl.dot(a, w_lo, acc_lo)
-            acc_hi = tl.dot(a, w_hi, acc_hi)
-    return acc_lo, acc_hi
+def _scaled(q, s, dtype: tl.constexpr, CONVERT_ASM: tl.constexpr):
+    """Weights q * s rounded once to dtype (q exact small integers, s the float32 scales of
+    bf16 values, so the product is exact before the rounding). With CONVERT_ASM and bf16
+    activations: one bf16x2 multiply per two weights instead of float32 arithmetic."""
+    if CONVERT_ASM and dtype == tl.bfloat16:
+        s16 = s.to(tl.bfloat16)  # exact: s holds bf16 values
+        q, s16 = tl.broadcast(q, s16)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 mz;\n"
+            "mov.b32 mz, 0x80008000;\n"
+            "fma.rn.bf16x2 $0, $1, $2, mz; }",
+            "=r,r,r", [q, s16], dtype=tl.bfloat16, is_pure=True, pack=2)
+    return (q.to(tl.float32) * s).to(dtype)
 
 
 @triton.jit
-def _scale_tile(s_ptrs, GROUPS: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr):
-    """Scales of GROUPS consecutive groups ([GROUPS, 2 * HALF] contiguous rows), as two
-    [GROUPS * GROUP, HALF] float32 tiles (even and odd columns), one row per weight row."""
+def _step(a_lo, a_hi, p, s, acc, POST_SCALE: tl.constexpr, SWAP_AB: tl.constexpr, CONVERT_ASM: tl.constexpr):
+    """Add one reduction step to acc ([BM, BN], or [BN, BM] when SWAP_AB).
+
+    a_lo / a_hi: [BM, BKH] activations at the K indices of the low / high nibbles of p, the
+    packed [BKH, BN] weight bytes. With POST_SCALE the step is exactly one group and s the
+    [BN] float32 scales: the dot runs on the integers and its result is scaled once. Without
+    it s is a [BKH, BN] float32 tile (each weight's scale) and the weights are scaled before
+    the dot (one rounding to the activation dtype, as a dequantised weight would have)."""
+    lo, hi = _dequant(p, CONVERT_ASM)
+    if POST_SCALE:
+        lo = lo.to(a_lo.dtype)
+        hi = hi.to(a_lo.dtype)
+        if SWAP_AB:
+            d = tl.dot(tl.trans(lo), tl.trans(a_lo))
+            d = tl.dot(tl.trans(hi), tl.trans(a_hi), d)
+            acc += d * s[:, None]
+        else:
+            d = tl.dot(a_lo, lo)
+            d = tl.dot(a_hi, hi, d)
+            acc += d * s[None, :]
+    else:
+        w_lo = _scaled(lo, s, a_lo.dtype, CONVERT_ASM)
+        w_hi = _scaled(hi, s, a_lo.dtype, CONVERT_ASM)
+        if SWAP_AB:
+            acc = tl.dot(tl.trans(w_lo), tl.trans(a_lo), acc)
+            acc = tl.dot(tl.trans(w_hi), tl.trans(a_hi), acc)
+        else:
+            acc = tl.dot(a_lo, w_lo, acc)
+            acc = tl.dot(a_hi, w_hi, acc)
+    return acc
+
+
+@triton.jit
+def _scale_rows(s_ptrs, GROUPS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Scales of GROUPS consecutive groups ([GROUPS, BLOCK_N] contiguous rows) as the
+    [GROUPS * GROUP / 2, BLOCK_N] float32 tile of one step's low (or high) nibbles: byte row j
+    of a step belongs to group j // (GROUP / 2) (every 32-value chunk lies inside one group)."""
     s = tl.load(s_ptrs).to(tl.float32)
-    s_lo, s_hi = tl.split(s.reshape(GROUPS, HALF, 2))
-    s_lo = tl.broadcast_to(s_lo[:, None, :], (GROUPS, GROUP, HALF)).reshape(GROUPS * GROUP, HALF)
-    s_hi = tl.broadcast_to(s_hi[:, None, :], (GROUPS, GROUP, HALF)).reshape(GROUPS * GROUP, HALF)
-    return s_lo, s_hi
+    HG: tl.constexpr = GROUP // 2
+    return tl.broadcast_to(s[:, None, :], (GROUPS, HG, BLOCK_N)).reshape(GROUPS * HG, BLOCK_N)
+
+
+@triton.jit
+def _gemm_step(a_ptrs, row_ok, w_ptrs, s_ptrs, acc, k0, stride_sg,
+               GROUP: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, BLOCK_N: tl.constexpr,
+               POST_SCALE: tl.constexpr, WHOLE_TILE: tl.constexpr, SWAP_AB: tl.constexpr,
+               CONVERT_ASM: tl.constexpr):
+    """acc += rows x weights over K in [k0, k0 + GROUPS_PER_STEP * GROUP).
+
+    a_ptrs: [BM, GROUP/2] (per-group forms) or [BM, BK/2] (whole tile) pointers to the
+    activations at the low nibbles' K indices of the step starting at K = 0 (the high nibbles'
+    are 16 further); w_ptrs: the matching [GROUP/2 or BK/2, BN] packed bytes; s_ptrs: [BN]
+    scales of group 0, or [GROUPS_PER_STEP, BN] rows for the whole tile."""
+    g0 = k0 // GROUP
+    if POST_SCALE or not WHOLE_TILE:
+        for gi in tl.static_range(GROUPS_PER_STEP):
+            k = k0 + gi * GROUP
+            a_lo = tl.load(a_ptrs + k, mask=row_ok, other=0.0)
+            a_hi = tl.load(a_ptrs + k + 16, mask=row_ok, other=0.0)
+            p = tl.load(w_ptrs + k // 2)
+            s = tl.load(s_ptrs + (g0 + gi) * stride_sg).to(tl.float32)
+            if not POST_SCALE:
+                s = s[None, :]
+            acc = _step(a_lo, a_hi, p, s, acc, POST_SCALE, SWAP_AB, CONVERT_ASM)
+    else:
+        a_lo = tl.load(a_ptrs + k0, mask=row_ok, other=0.0)
+        a_hi = tl.load(a_ptrs + k0 + 16, mask=row_ok, other=0.0)
+        p = tl.load(w_ptrs + k0 // 2)
+        s = _scale_rows(s_ptrs + g0 * stride_sg, GROUPS_PER_STEP, GROUP, BLOCK_N)
+        acc = _step(a_lo, a_hi, p, s, acc, POST_SCALE, SWAP_AB, CONVERT_ASM)
+    return acc
+
+
+@triton.jit
+def _operand_ptrs(a_base, w_base, s_base, stride_wn, stride_sg, offs_n, GROUP: tl.constexpr, GROUPS_PER_STEP: tl.constexpr,
+                  BLOCK_N: tl.constexpr, POST_SCALE: tl.constexpr, WHOLE_TILE: tl.constexpr):
+    """(a_ptrs, w_ptrs, s_ptrs) of a program's first step for _gemm_loop. a_base: [BM, 1]
+    row starts; w_base / s_base: this expert's weights / scales."""
+    if POST_SCALE or not WHOLE_TILE:
+        BKH: tl.constexpr = GROUP // 2
+    else:
+        BKH: tl.constexpr = GROUPS_PER_STEP * GROUP // 2
+    offs_j = tl.arange(0, BKH)
+    k_lo = offs_j // 16 * 32 + offs_j % 16  # K index of each byte's low nibble
+    a_ptrs = a_base + k_lo[None, :]
+    w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_j[:, None]
+    if POST_SCALE or not WHOLE_TILE:
+        s_ptrs = s_base + offs_n
+    else:
+        s_ptrs = s_base + offs_n[None, :] + tl.arange(0, GROUPS_PER_STEP)[:, None] * stride_sg
+    return a_ptrs, w_ptrs, s_ptrs
 
 
 @triton.jit
@@ -207,7 +276,7 @@ def _gemm1_kernel(
     INTER,
     stride_xm,
     stride_we,
-    stride_wk,
+    stride_wn,
     stride_se,
     stride_sg,
     stride_om,
@@ -224,9 +293,11 @@ def _gemm1_kernel(
     SWAP_AB: tl.constexpr,
     CONVERT_ASM: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    FUSE_GU: tl.constexpr,
 ):
     """One block of sorted rows x one tile of BLOCK_N intermediate columns: gate and up tiles
-    from w13 (columns n and INTER + n), SiLU(gate) * up stored per sorted row."""
+    from w13 (columns n and INTER + n), SiLU(gate) * up stored per sorted row. With FUSE_GU
+    the two tiles are one [.., 2 * BLOCK_N] operand (one dot per step instead of two)."""
     pid = tl.program_id(0)
     num_n = INTER // BLOCK_N
     pid_k = pid % SPLIT_K
@@ -236,89 +307,69 @@ def _gemm1_kernel(
     if rows_used == 0:
         return
     expert = expert.to(tl.int64)
-    HALF: tl.constexpr = BLOCK_N // 2
 
     offs_m = tl.arange(0, BLOCK_M)
     row_ok = offs_m < rows_used
     slot = tl.load(sorted_slot_ptr + pid_b * BLOCK_M + offs_m, mask=row_ok, other=0)
     token = (slot // TOPK).to(tl.int64)
-    offs_g = tl.arange(0, GROUP)
-    a_ptrs = x_ptr + token[:, None] * stride_xm + offs_g[None, :]
-
-    offs_j = tl.arange(0, HALF)
-    wg_ptrs = w_ptr + expert * stride_we + offs_g[:, None] * stride_wk + (pid_n * HALF + offs_j)[None, :]
-    wu_ptrs = wg_ptrs + INTER // 2
-    even_n = pid_n * BLOCK_N + 2 * offs_j
-    # Scales are loaded as whole contiguous rows (so the loads pipeline) and split in registers.
-    sg_ptrs = s_ptr + expert * stride_se + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    su_ptrs = sg_ptrs + INTER
-
-    if SWAP_AB:
-        g_lo = tl.zeros((HALF, BLOCK_M), dtype=tl.float32)
-        g_hi = tl.zeros((HALF, BLOCK_M), dtype=tl.float32)
-        u_lo = tl.zeros((HALF, BLOCK_M), dtype=tl.float32)
-        u_hi = tl.zeros((HALF, BLOCK_M), dtype=tl.float32)
-    else:
-        g_lo = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-        g_hi = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-        u_lo = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-        u_hi = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_split = K // SPLIT_K  # with SPLIT_K each program reduces one slice (a whole number of steps)
+    k_first = pid_k * k_split
     BLOCK_K: tl.constexpr = GROUPS_PER_STEP * GROUP
-    offs_k = tl.arange(0, BLOCK_K)
-    ak_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
-    wgk_ptrs = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk + (pid_n * HALF + offs_j)[None, :]
-    wuk_ptrs = wgk_ptrs + INTER // 2
-    sgk_ptrs = sg_ptrs[None, :] + tl.arange(0, GROUPS_PER_STEP)[:, None] * stride_sg
-    suk_ptrs = sgk_ptrs + INTER
-    # With SPLIT_K each program reduces one K // SPLIT_K slice (a whole number of steps).
-    groups_per_split = K // GROUP // SPLIT_K
-    for group0 in range(pid_k * groups_per_split, (pid_k + 1) * groups_per_split, GROUPS_PER_STEP):
-        if POST_SCALE or not WHOLE_TILE:
-            for gi in tl.static_range(GROUPS_PER_STEP):
-                group = group0 + gi
-                a = tl.load(a_ptrs + group * GROUP, mask=row_ok[:, None], other=0.0)
-                pg = tl.load(wg_ptrs + group * GROUP * stride_wk)
-                pu = tl.load(wu_ptrs + group * GROUP * stride_wk)
-                s_row = group * stride_sg
-                sg_lo, sg_hi = tl.split(tl.load(sg_ptrs + s_row).to(tl.float32).reshape(HALF, 2))
-                su_lo, su_hi = tl.split(tl.load(su_ptrs + s_row).to(tl.float32).reshape(HALF, 2))
-                if not POST_SCALE:
-                    sg_lo = sg_lo[None, :]
-                    sg_hi = sg_hi[None, :]
-                    su_lo = su_lo[None, :]
-                    su_hi = su_hi[None, :]
-                g_lo, g_hi = _group_step(a, pg, sg_lo, sg_hi, g_lo, g_hi, POST_SCALE, SWAP_AB, CONVERT_ASM)
-                u_lo, u_hi = _group_step(a, pu, su_lo, su_hi, u_lo, u_hi, POST_SCALE, SWAP_AB, CONVERT_ASM)
-        else:
-            # One tile of GROUPS_PER_STEP groups, each weight scaled before a single dot.
-            k0 = group0 * GROUP
-            a = tl.load(ak_ptrs + k0, mask=row_ok[:, None], other=0.0)
-            pg = tl.load(wgk_ptrs + k0 * stride_wk)
-            pu = tl.load(wuk_ptrs + k0 * stride_wk)
-            sg_lo, sg_hi = _scale_tile(sgk_ptrs + group0 * stride_sg, GROUPS_PER_STEP, GROUP, HALF)
-            su_lo, su_hi = _scale_tile(suk_ptrs + group0 * stride_sg, GROUPS_PER_STEP, GROUP, HALF)
-            g_lo, g_hi = _group_step(a, pg, sg_lo, sg_hi, g_lo, g_hi, POST_SCALE, SWAP_AB, CONVERT_ASM)
-            u_lo, u_hi = _group_step(a, pu, su_lo, su_hi, u_lo, u_hi, POST_SCALE, SWAP_AB, CONVERT_ASM)
-    if SWAP_AB:
-        g_lo = tl.trans(g_lo)
-        g_hi = tl.trans(g_hi)
-        u_lo = tl.trans(u_lo)
-        u_hi = tl.trans(u_hi)
     out_rows = (pid_b * BLOCK_M + offs_m).to(tl.int64)
-    if SPLIT_K == 1:
-        h_lo = g_lo * tl.sigmoid(g_lo) * u_lo
-        h_hi = g_hi * tl.sigmoid(g_hi) * u_hi
-        out_ptrs = out_ptr + out_rows[:, None] * stride_om + even_n[None, :]
-        tl.store(out_ptrs, h_lo.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(out_ptrs + 1, h_hi.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    a_base = x_ptr + token[:, None] * stride_xm
+    if FUSE_GU:
+        # Gate and up columns as one [.., 2 * BLOCK_N] tile: one dot per step feeds both.
+        offs_c = tl.arange(0, 2 * BLOCK_N)
+        cols = tl.where(offs_c < BLOCK_N, pid_n * BLOCK_N + offs_c, INTER + pid_n * BLOCK_N + offs_c - BLOCK_N)
+        a_ptrs, w_ptrs, s_ptrs = _operand_ptrs(
+            a_base, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
+            stride_wn, stride_sg, cols, GROUP, GROUPS_PER_STEP, 2 * BLOCK_N, POST_SCALE, WHOLE_TILE)
+        if SWAP_AB:
+            acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_first, k_first + k_split, BLOCK_K):
+            acc = _gemm_step(a_ptrs, row_ok[:, None], w_ptrs, s_ptrs, acc, k0, stride_sg, GROUP,
+                             GROUPS_PER_STEP, 2 * BLOCK_N, POST_SCALE, WHOLE_TILE, SWAP_AB, CONVERT_ASM)
+        if SWAP_AB:
+            acc = tl.trans(acc)
+        if SPLIT_K > 1:
+            # float32 partials of gate (columns n) and up (INTER + n): exactly the tile's columns.
+            part_ptrs = part_ptr + pid_k * stride_ps + out_rows[:, None] * (2 * INTER) + cols[None, :]
+            tl.store(part_ptrs, acc, mask=row_ok[:, None])
+            return
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     else:
-        # float32 partial sums of gate (columns n) and up (INTER + n), one slice per pid_k;
-        # _silu_mul_kernel adds the slices and applies the activation.
-        part_ptrs = part_ptr + pid_k * stride_ps + out_rows[:, None] * (2 * INTER) + even_n[None, :]
-        tl.store(part_ptrs, g_lo, mask=row_ok[:, None])
-        tl.store(part_ptrs + 1, g_hi, mask=row_ok[:, None])
-        tl.store(part_ptrs + INTER, u_lo, mask=row_ok[:, None])
-        tl.store(part_ptrs + INTER + 1, u_hi, mask=row_ok[:, None])
+        a_ptrs, wg_ptrs, sg_ptrs = _operand_ptrs(
+            a_base, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
+            stride_wn, stride_sg, offs_n, GROUP, GROUPS_PER_STEP, BLOCK_N, POST_SCALE, WHOLE_TILE)
+        wu_ptrs = wg_ptrs + INTER * stride_wn
+        su_ptrs = sg_ptrs + INTER
+        if SWAP_AB:
+            gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_first, k_first + k_split, BLOCK_K):
+            gate = _gemm_step(a_ptrs, row_ok[:, None], wg_ptrs, sg_ptrs, gate, k0, stride_sg, GROUP,
+                              GROUPS_PER_STEP, BLOCK_N, POST_SCALE, WHOLE_TILE, SWAP_AB, CONVERT_ASM)
+            up = _gemm_step(a_ptrs, row_ok[:, None], wu_ptrs, su_ptrs, up, k0, stride_sg, GROUP,
+                            GROUPS_PER_STEP, BLOCK_N, POST_SCALE, WHOLE_TILE, SWAP_AB, CONVERT_ASM)
+        if SWAP_AB:
+            gate = tl.trans(gate)
+            up = tl.trans(up)
+        if SPLIT_K > 1:
+            # float32 partial sums of gate (columns n) and up (INTER + n), one slice per pid_k;
+            # _silu_mul_kernel adds the slices and applies the activation.
+            part_ptrs = part_ptr + pid_k * stride_ps + out_rows[:, None] * (2 * INTER) + offs_n[None, :]
+            tl.store(part_ptrs, gate, mask=row_ok[:, None])
+            tl.store(part_ptrs + INTER, up, mask=row_ok[:, None])
+            return
+    h = gate * tl.sigmoid(gate) * up
+    out_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -337,7 +388,7 @@ def _gemm2_kernel(
     N,
     stride_am,
     stride_we,
-    stride_wk,
+    stride_wn,
     stride_se,
     stride_sg,
     stride_om,
@@ -365,63 +416,35 @@ def _gemm2_kernel(
     if rows_used == 0:
         return
     expert = expert.to(tl.int64)
-    HALF: tl.constexpr = BLOCK_N // 2
 
     offs_m = tl.arange(0, BLOCK_M)
     row_ok = offs_m < rows_used
     a_rows = (pid_b * BLOCK_M + offs_m).to(tl.int64)
-    offs_g = tl.arange(0, GROUP)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_g[None, :]
-
-    offs_j = tl.arange(0, HALF)
-    w_ptrs = w_ptr + expert * stride_we + offs_g[:, None] * stride_wk + (pid_n * HALF + offs_j)[None, :]
-    even_n = pid_n * BLOCK_N + 2 * offs_j
-    s_ptrs = s_ptr + expert * stride_se + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    a_ptrs, w_ptrs, s_ptrs = _operand_ptrs(
+        a_ptr + a_rows[:, None] * stride_am, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
+        stride_wn, stride_sg, offs_n, GROUP, GROUPS_PER_STEP, BLOCK_N, POST_SCALE, WHOLE_TILE)
     if SWAP_AB:
-        acc_lo = tl.zeros((HALF, BLOCK_M), dtype=tl.float32)
-        acc_hi = tl.zeros((HALF, BLOCK_M), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
-        acc_lo = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-        acc_hi = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_split = K // SPLIT_K
+    k_first = pid_k * k_split
     BLOCK_K: tl.constexpr = GROUPS_PER_STEP * GROUP
-    offs_k = tl.arange(0, BLOCK_K)
-    ak_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-    wk_ptrs = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk + (pid_n * HALF + offs_j)[None, :]
-    sk_ptrs = s_ptrs[None, :] + tl.arange(0, GROUPS_PER_STEP)[:, None] * stride_sg
-    # With SPLIT_K each program reduces one K // SPLIT_K slice (a whole number of steps).
-    groups_per_split = K // GROUP // SPLIT_K
-    for group0 in range(pid_k * groups_per_split, (pid_k + 1) * groups_per_split, GROUPS_PER_STEP):
-        if POST_SCALE or not WHOLE_TILE:
-            for gi in tl.static_range(GROUPS_PER_STEP):
-                group = group0 + gi
-                a = tl.load(a_ptrs + group * GROUP, mask=row_ok[:, None], other=0.0)
-                p = tl.load(w_ptrs + group * GROUP * stride_wk)
-                s_lo, s_hi = tl.split(tl.load(s_ptrs + group * stride_sg).to(tl.float32).reshape(HALF, 2))
-                if not POST_SCALE:
-                    s_lo = s_lo[None, :]
-                    s_hi = s_hi[None, :]
-                acc_lo, acc_hi = _group_step(a, p, s_lo, s_hi, acc_lo, acc_hi, POST_SCALE, SWAP_AB, CONVERT_ASM)
-        else:
-            k0 = group0 * GROUP
-            a = tl.load(ak_ptrs + k0, mask=row_ok[:, None], other=0.0)
-            p = tl.load(wk_ptrs + k0 * stride_wk)
-            s_lo, s_hi = _scale_tile(sk_ptrs + group0 * stride_sg, GROUPS_PER_STEP, GROUP, HALF)
-            acc_lo, acc_hi = _group_step(a, p, s_lo, s_hi, acc_lo, acc_hi, POST_SCALE, SWAP_AB, CONVERT_ASM)
+    for k0 in range(k_first, k_first + k_split, BLOCK_K):
+        acc = _gemm_step(a_ptrs, row_ok[:, None], w_ptrs, s_ptrs, acc, k0, stride_sg, GROUP,
+                         GROUPS_PER_STEP, BLOCK_N, POST_SCALE, WHOLE_TILE, SWAP_AB, CONVERT_ASM)
     if SWAP_AB:
-        acc_lo = tl.trans(acc_lo)
-        acc_hi = tl.trans(acc_hi)
+        acc = tl.trans(acc)
     slot = tl.load(sorted_slot_ptr + pid_b * BLOCK_M + offs_m, mask=row_ok, other=0)
     weight = tl.load(topk_weights_ptr + slot, mask=row_ok, other=0.0)
     if SPLIT_K == 1:
-        out_ptrs = out_ptr + slot.to(tl.int64)[:, None] * stride_om + even_n[None, :]
-        tl.store(out_ptrs, (acc_lo * weight[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(out_ptrs + 1, (acc_hi * weight[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        out_ptrs = out_ptr + slot.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         # float32 partial per slot and K slice; the top-k sum adds the slices too.
-        part_ptrs = part_ptr + pid_k * stride_ps + slot.to(tl.int64)[:, None] * N + even_n[None, :]
-        tl.store(part_ptrs, acc_lo * weight[:, None], mask=row_ok[:, None])
-        tl.store(part_ptrs + 1, acc_hi * weight[:, None], mask=row_ok[:, None])
+        part_ptrs = part_ptr + pid_k * stride_ps + slot.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(part_ptrs, acc * weight[:, None], mask=row_ok[:, None])
 
 
 @triton.jit
@@ -472,38 +495,40 @@ def _silu_mul_kernel(part_ptr, out_ptr, counts_ptr, starts_ptr, ends_ptr, num_ex
 # size), warps, pipeline stages, and how the int4 tile meets the tensor core:
 #   post   the dot runs on the integers, scales are applied to its result once per group
 #          (cheapest when a block has few rows);
-#   whole  (without post) the whole bk x bn tile is dequantised before one dot per step;
-#          otherwise one dequantised group at a time;
-#   swap   the dot is issued transposed, the weight tile as its left operand;
+#   whole  (without post) the whole bk x bn tile is scaled before one dot per step;
+#          otherwise one scaled group at a time;
+#   swap   the dot is issued transposed, the weight tile as its left operand (on an H100/H200
+#          this is what gets the warp-group MMA with the weights in registers);
 #   split  split-K: that many programs share each output tile, each reducing one K slice into
 #          float32 partials (GEMM1: a small kernel adds them and applies SiLU-and-mul; GEMM2:
 #          the top-k sum adds them) -- more bytes in flight when there are few tiles (small M);
-#   asm    nibbles converted four bytes at a time with PTX byte permutes and lop3 (_nibbles).
-# Chosen on one H200 at the kimi-k2.6 shape with `tools/kernel_sweep.py --variants` (a row
-# per swept M, a variant kept only where it was correct and at least 2% faster than the row it
-# replaced); PERFORMANCE.md has the sweep behind each row.
+#   asm    PTX for the nibble conversion and the bf16 scaling (_dequant, _scaled);
+#   gu     (GEMM1) gate and up tiles as one [.., 2 * bn] operand, one dot per step.
+# Chosen on one H200 at the kimi-k2.6 shape with `tools/kernel_sweep.py --variants` (every
+# candidate checked against the float32 reference, then each GEMM timed alone; per M the
+# block size whose best GEMM1 + best GEMM2 is smallest). PERFORMANCE.md has the sweeps.
 TILE_TABLE: list[tuple[int, dict]] = [
     (1, dict(block_m=16,
-         g1=dict(bn=64, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=2, asm=True),
-         g2=dict(bn=128, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=1, asm=False))),
-    (2, dict(block_m=16,
-         g1=dict(bn=64, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=1, asm=False),
-         g2=dict(bn=128, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=1, asm=False))),
+         g1=dict(bn=64, bk=128, warps=4, stages=3, post=True, whole=False, swap=False, split=2, asm=True),
+         g2=dict(bn=64, bk=128, warps=4, stages=3, post=True, whole=False, swap=False, split=1, asm=True))),
     (4, dict(block_m=16,
-         g1=dict(bn=64, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=2, asm=True),
-         g2=dict(bn=128, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=2, asm=False))),
+         g1=dict(bn=64, bk=128, warps=4, stages=3, post=True, whole=False, swap=False, split=1, asm=True),
+         g2=dict(bn=64, bk=128, warps=4, stages=3, post=True, whole=False, swap=False, split=1, asm=True))),
     (8, dict(block_m=16,
-         g1=dict(bn=64, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=2, asm=True),
-         g2=dict(bn=128, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=1, asm=False))),
-    (512, dict(block_m=16,
-         g1=dict(bn=64, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=1, asm=True),
-         g2=dict(bn=128, bk=128, warps=4, stages=4, post=True, whole=False, swap=False, split=1, asm=False))),
+         g1=dict(bn=64, bk=64, warps=4, stages=4, post=True, whole=False, swap=False, split=1, asm=True),
+         g2=dict(bn=128, bk=128, warps=4, stages=4, post=True, whole=False, swap=True, split=1, asm=True))),
+    (128, dict(block_m=16,
+         g1=dict(bn=64, bk=128, warps=4, stages=3, post=True, whole=False, swap=False, split=1, asm=True),
+         g2=dict(bn=128, bk=128, warps=4, stages=3, post=True, whole=False, swap=True, split=1, asm=True))),
+    (512, dict(block_m=32,
+         g1=dict(bn=64, bk=128, warps=4, stages=4, post=False, whole=True, swap=False, split=1, asm=True),
+         g2=dict(bn=64, bk=64, warps=4, stages=4, post=False, whole=True, swap=True, split=1, asm=True))),
     (1024, dict(block_m=32,
-         g1=dict(bn=128, bk=64, warps=8, stages=4, post=False, whole=False, swap=False, split=1, asm=False),
-         g2=dict(bn=128, bk=128, warps=8, stages=3, post=False, whole=False, swap=False, split=1, asm=False))),
+         g1=dict(bn=64, bk=128, warps=4, stages=4, post=False, whole=True, swap=False, split=1, asm=True, gu=True),
+         g2=dict(bn=128, bk=128, warps=4, stages=3, post=False, whole=True, swap=True, split=1, asm=True))),
     (1 << 62, dict(block_m=64,
-         g1=dict(bn=64, bk=128, warps=4, stages=3, post=False, whole=True, swap=False, split=1, asm=True),
-         g2=dict(bn=64, bk=128, warps=4, stages=3, post=False, whole=True, swap=False, split=1, asm=True))),
+         g1=dict(bn=64, bk=64, warps=4, stages=3, post=False, whole=True, swap=True, split=1, asm=True, gu=True),
+         g2=dict(bn=128, bk=64, warps=4, stages=4, post=False, whole=True, swap=True, split=1, asm=True))),
 ]
 
 
@@ -525,17 +550,13 @@ def _largest_dividing(preferred: int, size: int, floor: int) -> int:
 def _check_shape(shape: quant.MoEShape) -> None:
     shape.validate()
     group = shape.group_size
-    if group < 16 or group & (group - 1):
+    if group < 32 or group & (group - 1):
         raise ValueError(
-            f"the triton backend needs a power-of-two group size of at least 16, got {group}; "
+            f"the triton backend needs a power-of-two group size of at least 32, got {group}; "
             "use --backend torch for this shape"
         )
-    for name in ("hidden", "inter"):
-        if getattr(shape, name) % 32:
-            raise ValueError(
-                f"the triton backend needs {name} to be a multiple of 32, got {getattr(shape, name)}; "
-                "use --backend torch for this shape"
-            )
+    # hidden and inter are multiples of the group (shape.validate), so of 32: every 32-value
+    # pairing chunk of the packed layout is whole and lies inside one group.
 
 
 def _fit(gemm: dict, k: int, n: int, group: int) -> dict:
@@ -734,7 +755,8 @@ class TritonW4A16MoE:
             TOPK=shape.topk, GROUP=shape.group_size, BLOCK_M=block_m, BLOCK_N=g1["bn"],
             GROUPS_PER_STEP=g1["bk"] // shape.group_size, NUM_BINS=self._num_bins,
             POST_SCALE=g1["post"], WHOLE_TILE=g1.get("whole", False), SWAP_AB=g1["swap"],
-            CONVERT_ASM=_asm_enabled(g1), SPLIT_K=split, num_warps=g1["warps"], num_stages=g1["stages"],
+            CONVERT_ASM=_asm_enabled(g1), SPLIT_K=split, FUSE_GU=bool(g1.get("gu", False)),
+            num_warps=g1["warps"], num_stages=g1["stages"],
         )
         if split > 1:
             block_n = _largest_dividing(128, shape.inter, 32)
@@ -753,7 +775,7 @@ class TritonW4A16MoE:
         stride_ps = self._m * shape.topk * shape.hidden
         part = self._partial("g2", split * stride_ps) if split > 1 else slot_buf
         self._g2_split = split
-        _gemm2_kernel[(self._blocks_now * (shape.hidden // g2["bn"]) * split,)](
+        self.last_gemm2 = _gemm2_kernel[(self._blocks_now * (shape.hidden // g2["bn"]) * split,)](
             inter_buf, w2.packed, w2.scales, slot_buf, topk_weights, self._sorted_slot,
             self._counts, self._starts, self._ends, shape.experts,
             shape.inter, shape.hidden,

@@ -58,6 +58,27 @@ def test_reference_matches_the_layer_definition(name):
 def test_quantized_weights_round_trip_through_the_packed_layout():
     q = torch.randint(-8, 8, (3, 64, 32), dtype=torch.int8)
     assert torch.equal(quant.unpack_int4(quant.pack_int4(q)), q)
+    # K = 80: two whole 32-value chunks and a shorter last one of 16.
+    q = torch.randint(-8, 8, (2, 80, 6), dtype=torch.int8)
+    assert torch.equal(quant.unpack_int4(quant.pack_int4(q)), q)
+
+
+def test_packed_layout_pairs_value_j_with_value_16_plus_j_of_each_chunk():
+    """The layout the Triton kernels read: [E, N, K / 2], byte 16c + j = (q[32c + j] + 8) |
+    (q[32c + 16 + j] + 8) << 4; a shorter last chunk of r values pairs j with r / 2 + j."""
+    k, n = 72, 3
+    q = (torch.arange(k * n).reshape(k, n) % 16 - 8).to(torch.int8)
+    packed = quant.pack_int4(q)
+    assert packed.shape == (n, k // 2) and packed.dtype == torch.uint8
+    for col in range(n):
+        for c in range(2):
+            for j in range(16):
+                byte = int(packed[col, 16 * c + j])
+                assert byte & 0xF == int(q[32 * c + j, col]) + 8
+                assert byte >> 4 == int(q[32 * c + 16 + j, col]) + 8
+        for j in range(4):  # the last chunk: 8 values, value j with value 4 + j
+            byte = int(packed[col, 32 + j])
+            assert (byte & 0xF, byte >> 4) == (int(q[64 + j, col]) + 8, int(q[68 + j, col]) + 8)
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))

@@ -85,6 +85,9 @@ MODES = [
     # Split-K: GEMM1's K (96) is 3 steps, GEMM2's (160) 5, so split=5 shrinks to 3 and 5.
     dict(block_m=16, post=True, swap=False, split=5, asm=True),
     dict(block_m=32, post=False, whole=True, swap=False, split=5),
+    # GEMM1 with gate and up as one operand tile, plain and split.
+    dict(block_m=16, post=True, swap=False, gu=True),
+    dict(block_m=32, post=False, whole=True, swap=True, gu=True, split=5),
 ]
 
 
@@ -189,7 +192,7 @@ def test_workspace_bytes_counts_the_buffers_it_allocates():
 @pytest.mark.parametrize("shape,needle", [
     (quant.MoEShape(experts=4, hidden=96, inter=96, topk=2, group_size=24), "power-of-two group size"),
     (quant.MoEShape(experts=4, hidden=64, inter=64, topk=2, group_size=8), "power-of-two group size"),
-    (quant.MoEShape(experts=4, hidden=80, inter=64, topk=2, group_size=16), "hidden to be a multiple of 32"),
+    (quant.MoEShape(experts=4, hidden=80, inter=64, topk=2, group_size=16), "group size of at least 32"),
 ])
 def test_unsupported_shapes_are_refused_with_a_reason(shape, needle):
     with pytest.raises(ValueError, match=needle):
