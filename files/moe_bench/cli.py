@@ -16,7 +16,7 @@ import time
 import traceback
 
 from . import perfmodel, presets
-from .quant import MoEShape
+from .quant import MoEShape, triton_shape_error
 
 EXIT_OK = 0
 EXIT_BAD_ARGUMENTS = 2
@@ -192,6 +192,8 @@ def parse_settings(argv: list[str] | None) -> Settings:
         parser.error(str(error))
     if (args.bandwidth_gbps is None) != (args.tflops is None):
         parser.error("give both --bandwidth-gbps and --tflops, or neither (then they are measured)")
+    if args.backend == "triton" and (error := triton_shape_error(shape)):
+        parser.error(error)
     settings = Settings(args, shape)
     if args.backend == "triton" and settings.device_kind == "cpu" and settings.dtype_name == "bfloat16":
         parser.error("--backend triton on the CPU runs under Triton's interpreter, which computes bf16 dots "

@@ -54,6 +54,20 @@ class MoEShape:
                 raise ValueError(f"{name} ({value}) must be even to pack two int4 values per byte")
 
 
+CHUNK = 32  # K values per pairing chunk (see the module docstring)
+
+
+def triton_shape_error(shape: MoEShape) -> str | None:
+    """Why the triton backend cannot run this (valid) shape, or None. Kept here, free of any
+    triton import, so argument checks refuse it before anything runs (the kernels check it too)."""
+    group = shape.group_size
+    if group < CHUNK or group & (group - 1):
+        # Every 32-value pairing chunk of the layout must lie inside one group.
+        return (f"the triton backend needs a power-of-two group size of at least {CHUNK}, got {group}; "
+                "use --backend torch for this shape")
+    return None
+
+
 @dataclass
 class PackedLinear:
     """One packed weight for all experts: GEMM of reduction size k, output size n."""
@@ -115,9 +129,6 @@ def random_weights(shape: MoEShape, device: torch.device | str, seed: int = 0) -
     w13 = _random_packed_linear(shape.experts, shape.hidden, 2 * shape.inter, shape.group_size, device, generator)
     w2 = _random_packed_linear(shape.experts, shape.inter, shape.hidden, shape.group_size, device, generator)
     return MoEWeights(shape=shape, w13=w13, w2=w2)
-
-
-CHUNK = 32  # K values per pairing chunk (see the module docstring)
 
 
 def pair_index(k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -550,12 +550,9 @@ def _largest_dividing(preferred: int, size: int, floor: int) -> int:
 
 def _check_shape(shape: quant.MoEShape) -> None:
     shape.validate()
-    group = shape.group_size
-    if group < 32 or group & (group - 1):
-        raise ValueError(
-            f"the triton backend needs a power-of-two group size of at least 32, got {group}; "
-            "use --backend torch for this shape"
-        )
+    error = quant.triton_shape_error(shape)
+    if error:
+        raise ValueError(error)
     # hidden and inter are multiples of the group (shape.validate), so of 32: every 32-value
     # pairing chunk of the packed layout is whole and lies inside one group.
 

@@ -38,11 +38,20 @@ def run_main(capsys, *argv: str):
         (["--device", "cpu", "--backend", "triton", "--dtype", "bfloat16"], "computes bf16 dots"),
         (["--device", "cpu", "--backend", "vllm-marlin"], "CUDA devices only"),
         (["--estimate", "--preflight"], "not allowed with"),
+        # A shape the triton kernels cannot run is refused with the arguments, so the playbook's
+        # --estimate / --preflight (before the stop) catch it; the torch backend runs it.
+        (["--backend", "triton", "--group-size", "16", "--estimate"], "group size of at least 32"),
+        (["--backend", "triton", "--group-size", "16", "--preflight"], "group size of at least 32"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     assert cli.main(argv) == cli.EXIT_BAD_ARGUMENTS
     assert message in capsys.readouterr().err
+
+
+def test_group_size_16_is_refused_for_triton_only(capsys):
+    assert cli.main(["--backend", "torch", "--group-size", "16", "--estimate"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["group_size"] == 16
 
 
 def test_bad_arguments_exit_2_from_the_command_line(run_payload):
