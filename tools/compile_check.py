@@ -24,8 +24,8 @@ from triton.compiler import ASTSource
 from moe_bench import triton_moe as tm
 
 TARGET = GPUTarget("cuda", 90, 32)
-OPS = ("HGMMA", "HMMA", "LDSM", "LDS", "LDS.64", "LDS.128", "LDS.U8", "STS", "LDGSTS", "LDL", "STL", "PRMT", "LOP3",
-       "HFMA2", "F2FP", "FFMA", "BAR")
+OPS = ("HGMMA", "HMMA", "LDSM", "LDS", "LDS.64", "LDS.128", "LDS.U8", "STS", "LDGSTS", "LDG", "LDL", "STL", "PRMT",
+       "LOP3", "HFMA2", "F2FP", "FFMA", "BAR")
 
 # (name, gemm, block_m) -- GEMM1 at the kimi-k2.6 shape (K = 7168), GEMM2 (K = 2048).
 SIGNATURE_1 = {
@@ -42,7 +42,28 @@ SIGNATURE_2 = {
 }
 
 
+SIGNATURE_GEMV = {
+    "a_ptr": "*fp32", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "topk_ids_ptr": "*i32",
+    "topk_weights_ptr": "*fp32", "K": "i32", "N": "i32", "stride_am": "i32", "stride_we": "i64", "stride_wn": "i32",
+    "stride_se": "i64", "stride_sg": "i32", "stride_om": "i32",
+}
+
+
+def compile_gemv(which: int, g: dict, group: int = 32):
+    """The one-row kernel as GEMM1 (gate/up, float32 intermediate out) or GEMM2."""
+    signature = dict(SIGNATURE_GEMV, out_ptr="*fp32" if which == 1 else "*bf16")
+    constants = dict(TOPK=8, GROUP=group, BLOCK_N=g["bn"], BLOCK_KW=g["bkw"], GATE_UP=which == 1,
+                     CONVERT_ASM=bool(g.get("asm", False)), INTER_DTYPE=tm.tl.bfloat16)
+    for name in constants:
+        signature[name] = "constexpr"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind != "constexpr"}
+    src = ASTSource(fn=tm._gemv_kernel, signature=signature, constexprs=constants, attrs=attrs)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=g["warps"], num_stages=g.get("stages", 1)))
+
+
 def compile_gemm(which: int, block_m: int, g: dict, group: int = 32):
+    if g.get("gemv"):
+        return compile_gemv(which, g, group)
     kernel = tm._gemm1_kernel if which == 1 else tm._gemm2_kernel
     signature = dict(SIGNATURE_1 if which == 1 else SIGNATURE_2)
     constants = dict(GROUP=group, BLOCK_M=block_m, BLOCK_N=g["bn"], GROUPS_PER_STEP=g["bk"] // group, NUM_BINS=512,
@@ -88,8 +109,11 @@ def main() -> int:
 
     seen = set()
     failed = 0
-    for m in (1, 1024, 2048):
-        for name, bm, g1, g2 in variants(m, tm._config_for(tm.quant.MoEShape(384, 7168, 2048, 8, 32), m)):
+    for m in (1, 64, 1024, 2048):
+        shape = tm.quant.MoEShape(384, 7168, 2048, 8, 32)
+        for name, bm, g1, g2 in variants(m, tm._config_for(shape, m)):
+            g1 = tm._fit(g1, shape.hidden, shape.inter, shape.group_size)
+            g2 = tm._fit(g2, shape.inter, shape.hidden, shape.group_size)
             for which, g in ((1, g1), (2, g2)):
                 key = (which, bm, tuple(sorted(g.items())))
                 if key in seen:

@@ -143,6 +143,11 @@ def _d(bn, bk=128, warps=4, stages=3, swap=False, whole=True):
     return dict(bn=bn, bk=bk, warps=warps, stages=stages, post=False, whole=whole, swap=swap, split=1, asm=True)
 
 
+def _v(bn, bkw=64, warps=4):
+    """One-row (CUDA-core) kernel options; block_m 1."""
+    return dict(gemv=True, bn=bn, bkw=bkw, warps=warps, stages=1, asm=True)
+
+
 def variants(m: int, base: dict) -> list[tuple[str, int, dict, dict]]:
     """(name, block_m, g1, g2) candidates at M: the shipped row first, then the grid for M
     (both GEMMs get the same options; the sweep picks each GEMM's best per block_m)."""
@@ -150,10 +155,14 @@ def variants(m: int, base: dict) -> list[tuple[str, int, dict, dict]]:
     # Candidates that compile without spilling at the kimi-k2.6 shape (tools/compile_check.py);
     # "gu": GEMM1's gate and up tiles as one operand (GEMM2 ignores it).
     grid = []
+    pairs = []  # (block_m, g1, g2) with options of their own per GEMM
 
     def gu(g):
         return dict(g, gu=True)
 
+    if m <= 64:
+        grid += [(1, _v(32)), (1, _v(64)), (1, _v(32, 32)), (1, _v(64, 32)), (1, _v(32, 64, 2)), (1, _v(64, 64, 8)),
+                 (1, _v(128, 64, 8)), (1, _v(128, 32, 4))]
     if m <= 8:
         grid += [(16, gu(_p(64, stages=3, split=2))), (16, gu(_p(64, stages=3))), (16, gu(_p(32, stages=3))),
                  (16, gu(_p(32, stages=3, split=2))), (16, gu(_p(64, bk=64))), (16, gu(_p(32, swap=True, stages=3))),
@@ -162,9 +171,21 @@ def variants(m: int, base: dict) -> list[tuple[str, int, dict, dict]]:
         grid += [(32, gu(_d(64, 128, 4, 4))), (32, gu(_d(32, 128, 4, 4))), (32, gu(_d(64, 64, 4, 4, swap=True)))]
     if m >= 1024:
         grid += [(64, gu(_d(32, 128, 4, 3, swap=True))), (64, gu(_d(64, 64, 4, 3, swap=True))),
-                 (64, gu(_d(64, 128, 4, 3, swap=True))), (64, gu(_d(32, 128, 4, 4, swap=True)))]
+                 (64, gu(_d(64, 128, 4, 3, swap=True))), (64, gu(_d(32, 128, 4, 4, swap=True))),
+                 (64, gu(_d(64, 64, 4, 2, swap=True))), (64, gu(_d(32, 64, 4, 3, swap=True))),
+                 (64, gu(_d(64, 32, 4, 4, swap=True))), (64, _d(64, 64, 4, 3, swap=True))]
+        # Two warp groups: wider weight tiles, so each program re-reads its activation rows
+        # (from L2) for more columns; GEMM2 gets its own (wider) tile.
+        pairs += [(64, gu(_d(128, 64, 8, 3, swap=True)), _d(256, 64, 8, 3, swap=True)),
+                  (64, gu(_d(128, 32, 8, 4, swap=True)), _d(128, 64, 8, 4, swap=True)),
+                  (64, gu(_d(64, 64, 8, 3, swap=True)), _d(256, 32, 8, 4, swap=True))]
     for bm, g in grid:
+        if g.get("gemv"):
+            out.append((f"gemv:{g['bn']}/{g['bkw']}/{g['warps']}w", bm, g, g))
+            continue
         out.append((f"bm{bm}:{tag(g)}" + (f"k{g['split']}" if g.get("split", 1) > 1 else ""), bm, g, g))
+    for bm, g1, g2 in pairs:
+        out.append((f"bm{bm}:{tag(g1)}+{tag(g2)}", bm, g1, g2))
     return out
 
 
@@ -222,6 +243,8 @@ def variant_sweep(args) -> int:
         check = instances[0]
         rows = []
         for name, bm, g1, g2 in variants(m, base):
+            if name != "table" and args.only and not re.search(args.only, name):
+                continue
             if name != "table" and time.time() - t0 > args.budget_s:
                 rows.append(dict(name=name, skipped="time budget"))
                 continue
@@ -242,16 +265,26 @@ def variant_sweep(args) -> int:
                     row[which[5:] + "_regs"] = (getattr(kernel, "n_regs", None), getattr(kernel, "n_spills", None))
                 if m in (1, 64, 2048) and len(ir) < 12:
                     ir.append(dump_kernel(check.last_gemm1, f"GEMM1 M={m} {name} {g1}"))
+                gemv = bool(g1.get("gemv"))
                 for inst, (xs, idss, ws) in zip(instances, sets):
-                    inst.align(idss, bm)
+                    if gemv:  # the one-row kernels' first step stands where the alignment does
+                        inst.word_order(xs, idss)
+                    else:
+                        inst.align(idss, bm)
 
                 def run_g1():
                     for inst, (xs, idss, ws) in zip(instances, sets):
-                        inst.gemm1(xs, bm, g1)
+                        if gemv:
+                            inst.gemv1(xs, g1)
+                        else:
+                            inst.gemm1(xs, bm, g1)
 
                 def run_g2():
                     for inst, (xs, idss, ws) in zip(instances, sets):
-                        inst.gemm2(xs, ws, bm, g2)
+                        if gemv:
+                            inst.gemv2(xs, ws, g2)
+                        else:
+                            inst.gemm2(xs, ws, bm, g2)
                         inst.topk_sum(xs)
 
                 row["g1_us"] = time_graph(run_g1)[0] / ROTATIONS * 1e3
@@ -337,6 +370,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--profile-once", action="store_true", help="two plain forwards per M, for ncu")
     parser.add_argument("--variants", action="store_true", help="sweep variants of the shipped table (GPU)")
+    parser.add_argument("--only", default="", help="with --variants: only candidates whose name matches this regex")
     parser.add_argument("--budget-s", type=float, default=150.0, help="stop trying variants after this")
     parser.add_argument("--table-out", default="")
     parser.add_argument("--harness-out", default="", help="after --variants: run the harness with the new table")

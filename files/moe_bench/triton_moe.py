@@ -1,8 +1,19 @@
 """The payload's own fused W4A16 MoE forward, written in Triton.
 
-One forward is five launches (six when GEMM1 is split along K), all with shapes fixed by M
-(CUDA-graph capturable: no host synchronisation, no data-dependent shapes; programs past the
-rows in use exit at once):
+Two paths, picked per M by TILE_TABLE; both have shapes fixed by M (CUDA-graph capturable: no
+host synchronisation, no data-dependent shapes; programs past the rows in use exit at once).
+
+Few tokens (rows with block_m 1): one-row kernels on the CUDA cores, three launches plus the
+top-k sum. With a few tokens almost every (token, expert) slot is the only row of its expert,
+so a tensor-core tile of at least 16 rows would be mostly padding:
+  1. _word_order_kernel: x's rows as float32 in the order the nibbles of a packed word come
+     out in, with a per-word bias (see _store_word_order).
+  2. _gemv_kernel (GATE_UP): one slot (its expert read from topk_ids: no sorting) x a tile of
+     gate and up columns, dotted in float32 over all of K; SiLU(gate) * up, rounded to the
+     activations' dtype, stored per slot in the same operand order.
+  3. _gemv_kernel: the intermediate against w2, times the slot's top-k weight, per slot.
+
+More tokens: tensor-core kernels, five launches (six when GEMM1 is split along K):
 
   1. _align_kernel (one program): count the (token, k) slots per expert, pad each expert's
      count to a multiple of BLOCK_M, and store each expert's count and start and end of its
@@ -15,7 +26,7 @@ rows in use exit at once):
      rows, int4 unpacked in registers, SiLU(gate) * up in the epilogue.
   4. _gemm2_kernel: the intermediate block against w2, scaled by each slot's top-k weight in
      the epilogue, stored per slot.
-  5. _topk_sum_kernel: each token's sum over its top-k slots, in float32.
+  5. _topk_sum_kernel: each token's sum over its top-k slots, in float32 (both paths).
 
 With split-K (small M) each GEMM tile is shared by several programs, each reducing one slice of
 K into float32 partials: GEMM1's are added by _silu_mul_kernel (the extra launch), which then
@@ -488,6 +499,183 @@ def _silu_mul_kernel(part_ptr, out_ptr, counts_ptr, starts_ptr, ends_ptr, num_ex
 
 
 # ---------------------------------------------------------------------------
+# One-row kernels (few tokens): CUDA-core dot products, no tensor core
+# ---------------------------------------------------------------------------
+#
+# With a few tokens almost every (token, expert) slot is the only row of its expert, so a
+# tensor-core tile of at least 16 rows is mostly padding and the work per weight (unpack,
+# scale, operand shuffles) decides the speed. These kernels take one slot per program row,
+# straight from topk_ids (no alignment, no sorting): a program is one slot x BLOCK_N columns,
+# each thread dots whole 32-value chunks of its columns against the slot's activations in
+# float32. A 32-bit word of packed weights is 8 nibbles; each is masked into the mantissa of
+# a float32 (bits 16-19 under the exponent of 128 read as 128 + u, bits 12-15 under the
+# exponent of 2048 as 2048 + u), no integer conversion, and multiplied by its activation; the
+# offsets (136 for the chunk's first half, 2056 for its second, the 8 of q = u - 8 included)
+# are taken off once per word through the activations' sum. Per weight that is one LOP3, one
+# FFMA and 3/8 of a shift.
+
+
+@triton.jit
+def _nibble(x, MASK: tl.constexpr, EXPONENT: tl.constexpr):
+    """The nibble of x under MASK, written under the float32 exponent bits EXPONENT: bits 16-19
+    under 0x43000000 (2^7) read as 128 + u, bits 12-15 under 0x45000000 (2^11) as 2048 + u."""
+    return ((x & MASK) | EXPONENT).to(tl.float32, bitcast=True)
+
+
+_WORD_NIBBLES_PTX = tl.constexpr(
+    "{ .reg .b32 up, down, rot;\n"
+    "shl.b32 up, $8, 8;\n"
+    "shr.b32 down, $8, 8;\n"
+    "shf.l.wrap.b32 rot, $8, $8, 16;\n"
+    "lop3.b32 $0, rot, 0xF0000, 0x43000000, 0xEA;\n"
+    "lop3.b32 $1, up, 0xF000, 0x45000000, 0xEA;\n"
+    "lop3.b32 $2, up, 0xF0000, 0x43000000, 0xEA;\n"
+    "lop3.b32 $3, $8, 0xF000, 0x45000000, 0xEA;\n"
+    "lop3.b32 $4, $8, 0xF0000, 0x43000000, 0xEA;\n"
+    "lop3.b32 $5, down, 0xF000, 0x45000000, 0xEA;\n"
+    "lop3.b32 $6, down, 0xF0000, 0x43000000, 0xEA;\n"
+    "lop3.b32 $7, rot, 0xF000, 0x45000000, 0xEA; }")
+
+
+@triton.jit
+def _word_nibbles(w, CONVERT_ASM: tl.constexpr):
+    """The 8 nibbles of each packed word w (uint32) as float32, in the order low / high of
+    byte 0, low / high of byte 1, ...: low nibbles as 128 + u, high ones as 2048 + u. With
+    CONVERT_ASM one PTX block (3 shifts, 8 lop3: one instruction per nibble, the exponent in a
+    register); otherwise the same bits through Triton's integer operations."""
+    if CONVERT_ASM:
+        return tl.inline_asm_elementwise(_WORD_NIBBLES_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w],
+                                         dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    up = w << 8
+    down = w >> 8
+    rot = (w << 16) | (w >> 16)
+    return (_nibble(rot, 0xF0000, 0x43000000), _nibble(up, 0xF000, 0x45000000),
+            _nibble(up, 0xF0000, 0x43000000), _nibble(w, 0xF000, 0x45000000),
+            _nibble(w, 0xF0000, 0x43000000), _nibble(down, 0xF000, 0x45000000),
+            _nibble(down, 0xF0000, 0x43000000), _nibble(rot, 0xF000, 0x45000000))
+
+
+@triton.jit
+def _store_word_order(vals, dst_ptr, KW, CHUNKS: tl.constexpr):
+    """Store CHUNKS whole 32-value chunks of activations (vals: [CHUNKS * 32] float32, chunk c
+    at K = 32 c) in the one-row kernels' operand order, at dst_ptr = row start + the first
+    chunk's word index: position t of word w at dst_ptr[t * KW + w], where word i of chunk c
+    (w = 4c + i) pairs with values 32c + 4i + j (position 2j, the low nibble of byte 4i + j)
+    and 32c + 16 + 4i + j (position 2j + 1); position 8 is the word's bias,
+    -(136 * low values + 2056 * high values) (see _word_dot). KW: words per row (K / 8)."""
+    offs = tl.arange(0, CHUNKS * 32)
+    v = offs % 32
+    half = v // 16
+    i = v % 16 // 4
+    j = v % 4
+    tl.store(dst_ptr + (2 * j + half) * KW + offs // 32 * 4 + i, vals)
+    parts = tl.sum(tl.reshape(vals, (CHUNKS, 2, 4, 4)), axis=3)  # [chunk, half, i]
+    low, high = tl.split(tl.permute(parts, (0, 2, 1)))  # [chunk, i] each
+    bias = -(136.0 * low + 2056.0 * high)
+    tl.store(dst_ptr + 8 * KW + tl.arange(0, CHUNKS * 4), tl.reshape(bias, (CHUNKS * 4,)))
+
+
+@triton.jit
+def _word_order_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, CHUNKS: tl.constexpr):
+    """x rows (bf16) -> float32 rows in the one-row kernels' operand order (_store_word_order)."""
+    row = tl.program_id(0).to(tl.int64)
+    c0 = tl.program_id(1) * CHUNKS
+    vals = tl.load(x_ptr + row * stride_xm + c0 * 32 + tl.arange(0, CHUNKS * 32)).to(tl.float32)
+    _store_word_order(vals, out_ptr + row * stride_om + c0 * 4, K // 8, CHUNKS)
+
+
+@triton.jit
+def _word_dot(w, a_ptrs, KW, CONVERT_ASM: tl.constexpr):
+    """sum over the 8 nibbles of each packed word w (uint32 [C, W]) of q * a: [C, W] float32.
+
+    a_ptrs: [1, W] pointers to the words' activations in the order of _store_word_order
+    (position t at + t * KW). The nibbles come out as 128 + u (low) and 2048 + u (high); the
+    word's bias takes those offsets and the 8 of q = u - 8 off, so the result is exact up to
+    float32 rounding."""
+    n0, n1, n2, n3, n4, n5, n6, n7 = _word_nibbles(w, CONVERT_ASM)
+    p = tl.load(a_ptrs + 8 * KW) + n0 * tl.load(a_ptrs)
+    p += n1 * tl.load(a_ptrs + KW)
+    p += n2 * tl.load(a_ptrs + 2 * KW)
+    p += n3 * tl.load(a_ptrs + 3 * KW)
+    p += n4 * tl.load(a_ptrs + 4 * KW)
+    p += n5 * tl.load(a_ptrs + 5 * KW)
+    p += n6 * tl.load(a_ptrs + 6 * KW)
+    p += n7 * tl.load(a_ptrs + 7 * KW)
+    return p
+
+
+@triton.jit
+def _gemv_kernel(
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    topk_ids_ptr,
+    topk_weights_ptr,
+    K,
+    N,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sg,
+    stride_om,
+    TOPK: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_KW: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    CONVERT_ASM: tl.constexpr,
+    INTER_DTYPE: tl.constexpr,
+):
+    """One slot x BLOCK_N output columns, reduced over all of K.
+
+    a: float32 activation rows in the order of _store_word_order. GATE_UP (GEMM1): a's row is
+    the slot's token, w is w13, N = inter: the program dots gate columns n and up columns
+    N + n and stores SiLU(gate) * up (rounded to INTER_DTYPE, the activations' dtype) at out[slot] in the same operand
+    order for GEMM2 (BLOCK_N a multiple of 32). Otherwise (GEMM2): a's row is the slot, w is
+    w2: stores the result times the slot's top-k weight at out[slot]. w_ptr: the packed
+    weights viewed as uint32 words [E, N, K / 8] (strides in words)."""
+    pid = tl.program_id(0)
+    num_n = N // BLOCK_N
+    slot = pid // num_n
+    pid_n = pid % num_n
+    expert = tl.load(topk_ids_ptr + slot).to(tl.int64)
+    if GATE_UP:
+        row = (slot // TOPK).to(tl.int64)
+        offs_c = tl.arange(0, 2 * BLOCK_N)
+        cols = tl.where(offs_c < BLOCK_N, pid_n * BLOCK_N + offs_c, N + pid_n * BLOCK_N + offs_c - BLOCK_N)
+    else:
+        row = slot.to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    KW = K // 8
+    CHUNKS: tl.constexpr = BLOCK_KW // 4
+    offs_w = tl.arange(0, BLOCK_KW)
+    w_ptrs = w_ptr + expert * stride_we + cols[:, None] * stride_wn + offs_w[None, :]
+    a_ptrs = a_ptr + row * stride_am + offs_w[None, :]
+    s_ptrs = s_ptr + expert * stride_se + cols[:, None]
+    offs_ch = tl.arange(0, CHUNKS)
+    acc = tl.zeros((cols.shape[0], CHUNKS), dtype=tl.float32)
+    for kw in range(0, KW, BLOCK_KW):
+        w = tl.load(w_ptrs + kw).to(tl.uint32, bitcast=True)
+        p = _word_dot(w, a_ptrs + kw, KW, CONVERT_ASM)
+        chunk_sum = tl.sum(tl.reshape(p, (cols.shape[0], CHUNKS, 4)), axis=2)
+        g = (kw * 8 + offs_ch * 32) // GROUP
+        s = tl.load(s_ptrs + g[None, :] * stride_sg).to(tl.float32)
+        acc += s * chunk_sum
+    res = tl.sum(acc, axis=1)
+    if GATE_UP:
+        gate, up = tl.split(tl.trans(tl.reshape(res, (2, BLOCK_N))))
+        h = (gate * tl.sigmoid(gate) * up).to(INTER_DTYPE).to(tl.float32)
+        # Rounded as a stored intermediate would be, then kept in float32 operand order.
+        _store_word_order(h, out_ptr + slot.to(tl.int64) * stride_om + pid_n * (BLOCK_N // 8), N // 8,
+                          BLOCK_N // 32)
+    else:
+        weight = tl.load(topk_weights_ptr + slot)
+        tl.store(out_ptr + slot.to(tl.int64) * stride_om + cols, (res * weight).to(out_ptr.dtype.element_ty))
+
+
+# ---------------------------------------------------------------------------
 # Tile configurations
 # ---------------------------------------------------------------------------
 
@@ -505,19 +693,19 @@ def _silu_mul_kernel(part_ptr, out_ptr, counts_ptr, starts_ptr, ends_ptr, num_ex
 #          the top-k sum adds them) -- more bytes in flight when there are few tiles (small M);
 #   asm    PTX for the nibble conversion and the bf16 scaling (_dequant, _scaled);
 #   gu     (GEMM1) gate and up tiles as one [.., 2 * bn] operand, one dot per step.
+# Rows with block_m 1 and `gemv` in both GEMMs run the one-row kernels instead (_gemv_kernel:
+# bn output columns per program, GEMM1's gate and up each; bkw 32-bit words of packed weights
+# per column and step, a multiple of 4: whole 32-value chunks; warps).
 # Chosen on one H200 at the kimi-k2.6 shape with `tools/kernel_sweep.py --variants` (every
 # candidate checked against the float32 reference, then each GEMM timed alone; per M the
 # block size whose best GEMM1 + best GEMM2 is smallest). PERFORMANCE.md has the sweeps.
 TILE_TABLE: list[tuple[int, dict]] = [
-    (1, dict(block_m=16,
-         g1=dict(bn=64, bk=128, warps=4, stages=3, post=True, whole=False, swap=False, split=2, asm=True),
-         g2=dict(bn=64, bk=128, warps=4, stages=3, post=True, whole=False, swap=False, split=1, asm=True))),
-    (4, dict(block_m=16,
-         g1=dict(bn=64, bk=128, warps=4, stages=3, post=True, whole=False, swap=False, split=1, asm=True),
-         g2=dict(bn=64, bk=128, warps=4, stages=3, post=True, whole=False, swap=False, split=1, asm=True))),
-    (8, dict(block_m=16,
-         g1=dict(bn=64, bk=64, warps=4, stages=4, post=True, whole=False, swap=False, split=1, asm=True),
-         g2=dict(bn=128, bk=128, warps=4, stages=4, post=True, whole=False, swap=True, split=1, asm=True))),
+    (4, dict(block_m=1,
+         g1=dict(gemv=True, bn=32, bkw=64, warps=4, stages=1, asm=True),
+         g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True))),
+    (64, dict(block_m=1,
+         g1=dict(gemv=True, bn=32, bkw=64, warps=4, stages=1, asm=True),
+         g2=dict(gemv=True, bn=128, bkw=32, warps=4, stages=1, asm=True))),
     (128, dict(block_m=16,
          g1=dict(bn=64, bk=128, warps=4, stages=3, post=True, whole=False, swap=False, split=1, asm=True),
          g2=dict(bn=128, bk=128, warps=4, stages=3, post=True, whole=False, swap=True, split=1, asm=True))),
@@ -531,6 +719,9 @@ TILE_TABLE: list[tuple[int, dict]] = [
          g1=dict(bn=64, bk=64, warps=4, stages=3, post=False, whole=True, swap=True, split=1, asm=True, gu=True),
          g2=dict(bn=128, bk=64, warps=4, stages=4, post=False, whole=True, swap=True, split=1, asm=True))),
 ]
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def _asm_enabled(gemm: dict) -> bool:
@@ -559,6 +750,10 @@ def _check_shape(shape: quant.MoEShape) -> None:
 
 def _fit(gemm: dict, k: int, n: int, group: int) -> dict:
     """Shrink a table entry's tiles until they divide this GEMM's k and n."""
+    if gemm.get("gemv"):
+        # One-row kernels: whole 32-value chunks (4 words) per step, columns in runs of 32.
+        return dict(gemm, bn=_largest_dividing(gemm["bn"], n, 32), bkw=_largest_dividing(gemm["bkw"], k // 8, 4),
+                    asm=bool(gemm.get("asm", False)))
     bn = _largest_dividing(gemm["bn"], n, 32)
     # The K step is whole groups: k is a multiple of the group, so the group itself always fits.
     bk = group * _largest_dividing(max(1, gemm["bk"] // group), k // group, 1)
@@ -627,6 +822,25 @@ def _max_split_elems(shape: quant.MoEShape, m: int, table=None) -> tuple[int, in
     return g1_max, g2_max
 
 
+def _gemv_max_m(m: int, table=None) -> int:
+    """The largest M <= m that runs the one-row kernels (0 if none does)."""
+    table = TILE_TABLE if table is None else table
+    largest, previous = 0, 0
+    for limit, entry in table:
+        if previous >= m:
+            break
+        if entry["g1"].get("gemv"):
+            largest = min(limit, m)
+        previous = limit
+    return largest
+
+
+def _word_order_elems(shape: quant.MoEShape, m: int) -> tuple[int, int]:
+    """float32 elements of the one-row kernels' operand buffers for m tokens: x's rows and
+    the intermediate's (one per slot), 9 floats per packed word (see _store_word_order)."""
+    return m * 9 * (shape.hidden // 8), m * shape.topk * 9 * (shape.inter // 8)
+
+
 def workspace_bytes(shape: quant.MoEShape, m: int, dtype_bytes: int = 2) -> int:
     """Device bytes of the workspace for up to m tokens, output excluded."""
     block_m = _max_block_m(m)
@@ -636,6 +850,7 @@ def workspace_bytes(shape: quant.MoEShape, m: int, dtype_bytes: int = 2) -> int:
         + padded * shape.inter * dtype_bytes  # SiLU(gate) * up per sorted row
         + m * shape.topk * shape.hidden * dtype_bytes  # weighted GEMM2 output per slot
         + 4 * sum(_max_split_elems(shape, m))  # float32 split-K partial sums (small M only)
+        + 4 * sum(_word_order_elems(shape, _gemv_max_m(m)))  # one-row kernels' operands (small M only)
     )
 
 
@@ -672,6 +887,11 @@ class TritonW4A16MoE:
         g1_elems, g2_elems = _max_split_elems(self.shape, max_m, self.table)
         self._partials = {"g1": torch.empty(g1_elems, dtype=torch.float32, device=device),
                           "g2": torch.empty(g2_elems, dtype=torch.float32, device=device)}
+        # The one-row kernels' float32 operands (x's rows, the intermediate per slot), for the
+        # M the table gives them; grown on first use like the partials.
+        x_elems, inter_elems = _word_order_elems(self.shape, _gemv_max_m(max_m, self.table))
+        self._partials["xw"] = torch.empty(x_elems, dtype=torch.float32, device=device)
+        self._partials["hw"] = torch.empty(inter_elems, dtype=torch.float32, device=device)
         self._g2_split = 1
         # The activation-sized buffers depend on x's dtype: made on first use per dtype
         # (outside a graph capture: the harness warms up before capturing).
@@ -701,9 +921,14 @@ class TritonW4A16MoE:
         topk_ids = topk_ids.to(torch.int32).contiguous()
         topk_weights = topk_weights.to(torch.float32).contiguous()
         cfg = _config_for(self.shape, m, self.table)
-        self.align(topk_ids, cfg["block_m"])
-        self.gemm1(x, cfg["block_m"], cfg["g1"])
-        self.gemm2(x, topk_weights, cfg["block_m"], cfg["g2"])
+        if cfg["g1"].get("gemv"):
+            self.word_order(x, topk_ids)
+            self.gemv1(x, cfg["g1"])
+            self.gemv2(x, topk_weights, cfg["g2"])
+        else:
+            self.align(topk_ids, cfg["block_m"])
+            self.gemm1(x, cfg["block_m"], cfg["g1"])
+            self.gemm2(x, topk_weights, cfg["block_m"], cfg["g2"])
         return self.topk_sum(x)
 
     def _check_inputs(self, x, topk_ids, topk_weights) -> None:
@@ -783,6 +1008,60 @@ class TritonW4A16MoE:
             GROUPS_PER_STEP=g2["bk"] // shape.group_size, NUM_BINS=self._num_bins,
             POST_SCALE=g2["post"], WHOLE_TILE=g2.get("whole", False), SWAP_AB=g2["swap"],
             CONVERT_ASM=_asm_enabled(g2), SPLIT_K=split, num_warps=g2["warps"], num_stages=g2["stages"],
+        )
+
+    def word_order(self, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        """One-row kernels, step 1: x's rows as float32 in their operand order (and the slots'
+        experts for the next two steps; no alignment or sorting)."""
+        shape = self.shape
+        self._m = x.shape[0]
+        self._ids = topk_ids
+        kw = shape.hidden // 8
+        xw = self._partial("xw", _word_order_elems(shape, self._m)[0]).view(-1)[: self._m * 9 * kw].view(self._m, 9 * kw)
+        chunks = _largest_dividing(32, shape.hidden // 32, 1)
+        _word_order_kernel[(self._m, shape.hidden // 32 // chunks)](
+            x, xw, shape.hidden, x.stride(0), xw.stride(0), CHUNKS=chunks, num_warps=4,
+        )
+        self._xw = xw
+
+    def _packed_words(self, linear: quant.PackedLinear) -> torch.Tensor:
+        return linear.packed.view(torch.int32)  # [E, n, k / 8]: four bytes per word
+
+    def gemv1(self, x: torch.Tensor, g1: dict) -> None:
+        """One-row kernels, step 2: SiLU(x @ gate) * (x @ up) per slot, into the float32
+        intermediate in operand order."""
+        shape = self.shape
+        slots = self._m * shape.topk
+        kw = shape.inter // 8
+        hw = self._partial("hw", _word_order_elems(shape, self._m)[1]).view(-1)[: slots * 9 * kw].view(slots, 9 * kw)
+        words = self._packed_words(self.weights.w13)
+        scales = self.weights.w13.scales
+        self.last_gemm1 = _gemv_kernel[(slots * (shape.inter // g1["bn"]),)](
+            self._xw, words, scales, hw, self._ids, self._ids,
+            shape.hidden, shape.inter, self._xw.stride(0), words.stride(0), words.stride(1), scales.stride(0),
+            scales.stride(1), hw.stride(0),
+            TOPK=shape.topk, GROUP=shape.group_size, BLOCK_N=g1["bn"], BLOCK_KW=g1["bkw"], GATE_UP=True,
+            CONVERT_ASM=_asm_enabled(g1), INTER_DTYPE=_TL_DTYPES[x.dtype],
+            num_warps=g1["warps"], num_stages=g1.get("stages", 1),
+        )
+        self._hw = hw
+
+    def gemv2(self, x: torch.Tensor, topk_weights: torch.Tensor, g2: dict) -> None:
+        """One-row kernels, step 3: intermediate @ w2 per slot, times the slot's top-k weight,
+        into the per-slot buffer (then topk_sum)."""
+        shape = self.shape
+        _, slot_buf = self._buffers(x.dtype)
+        slots = self._m * shape.topk
+        words = self._packed_words(self.weights.w2)
+        scales = self.weights.w2.scales
+        self._g2_split = 1
+        self.last_gemm2 = _gemv_kernel[(slots * (shape.hidden // g2["bn"]),)](
+            self._hw, words, scales, slot_buf, self._ids, topk_weights,
+            shape.inter, shape.hidden, self._hw.stride(0), words.stride(0), words.stride(1), scales.stride(0),
+            scales.stride(1), slot_buf.stride(0),
+            TOPK=shape.topk, GROUP=shape.group_size, BLOCK_N=g2["bn"], BLOCK_KW=g2["bkw"], GATE_UP=False,
+            CONVERT_ASM=_asm_enabled(g2), INTER_DTYPE=_TL_DTYPES[x.dtype],
+            num_warps=g2["warps"], num_stages=g2.get("stages", 1),
         )
 
     def topk_sum(self, x: torch.Tensor) -> torch.Tensor:

@@ -164,6 +164,14 @@ def test_tile_configs_fit_the_shape_and_cover_every_m():
     configs = tm.tile_configs(shape, m_list)
     assert sorted(configs) == m_list
     for m, cfg in configs.items():
+        if cfg["g1"].get("gemv"):
+            # One-row kernels: whole chunks of 4 words per step, columns in runs of 32.
+            assert cfg["block_m"] == 1 and cfg["g2"].get("gemv")
+            assert shape.inter % cfg["g1"]["bn"] == 0 and cfg["g1"]["bn"] % 32 == 0
+            assert shape.hidden % cfg["g2"]["bn"] == 0
+            assert (shape.hidden // 8) % cfg["g1"]["bkw"] == 0 and (shape.inter // 8) % cfg["g2"]["bkw"] == 0
+            assert cfg["g1"]["bkw"] % 4 == 0 and cfg["g2"]["bkw"] % 4 == 0
+            continue
         assert cfg["block_m"] in (16, 32, 64)
         assert shape.inter % cfg["g1"]["bn"] == 0 and shape.hidden % cfg["g1"]["bk"] == 0
         assert shape.hidden % cfg["g2"]["bn"] == 0 and shape.inter % cfg["g2"]["bk"] == 0
@@ -172,7 +180,10 @@ def test_tile_configs_fit_the_shape_and_cover_every_m():
     odd = tm.tile_configs(ODD_SHAPE, [1, 2048])
     for cfg in odd.values():
         assert ODD_SHAPE.inter % cfg["g1"]["bn"] == 0 and ODD_SHAPE.hidden % cfg["g2"]["bn"] == 0
-        assert ODD_SHAPE.hidden % cfg["g1"]["bk"] == 0 and ODD_SHAPE.inter % cfg["g2"]["bk"] == 0
+        if cfg["g1"].get("gemv"):
+            assert (ODD_SHAPE.hidden // 8) % cfg["g1"]["bkw"] == 0 and (ODD_SHAPE.inter // 8) % cfg["g2"]["bkw"] == 0
+        else:
+            assert ODD_SHAPE.hidden % cfg["g1"]["bk"] == 0 and ODD_SHAPE.inter % cfg["g2"]["bk"] == 0
 
 
 def test_workspace_bytes_counts_the_buffers_it_allocates():
@@ -185,8 +196,83 @@ def test_workspace_bytes_counts_the_buffers_it_allocates():
     moe = tm.TritonW4A16MoE(quant.random_weights(tiny, "cpu"), max_m=9)
     inter_buf, slot_buf = moe._buffers(torch.bfloat16)
     allocated = sum(t.numel() * t.element_size() for t in
-                    (inter_buf, slot_buf, moe._sorted_slot, moe._counts, moe._starts, moe._ends, moe._cursor))
+                    (inter_buf, slot_buf, moe._sorted_slot, moe._counts, moe._starts, moe._ends, moe._cursor,
+                     *moe._partials.values()))
     assert allocated <= tm.workspace_bytes(tiny, 9)
+
+
+GEMV = dict(gemv=True, bn=32, bkw=64, warps=4, stages=1, asm=True)
+
+
+def gemv_table(**options) -> list:
+    return [(1 << 62, dict(block_m=1, g1=dict(GEMV, **options), g2=dict(GEMV, **options)))]
+
+
+@pytest.mark.parametrize("shape,dtype,m", [
+    (ODD_SHAPE, torch.float32, 1),  # K = 96 and 160: steps shrink to 4 words (one chunk)
+    (ODD_SHAPE, torch.float16, 23),  # several slots per expert, each its own row
+    (quant.MoEShape(experts=4, hidden=256, inter=128, topk=2, group_size=64), torch.float32, 5),  # 2 chunks/group
+    (quant.MoEShape(experts=8, hidden=512, inter=256, topk=4, group_size=128), torch.float32, 3),
+], ids=["odd-fp32-M1", "odd-fp16-M23", "group64", "group128"])
+def test_one_row_kernels_match_reference(shape, dtype, m):
+    weights = quant.random_weights(shape, "cpu", seed=5)
+    moe = tm.TritonW4A16MoE(weights, max_m=32, table=gemv_table(bn=64))
+    x, ids, wts = random_inputs(shape, m, dtype, seed=m)
+    out = moe(x, ids, wts)
+    assert out.dtype == dtype and out.shape == (m, shape.hidden)
+    # The float32 path loses a little to the nibbles' offsets (up to 2056 times an activation
+    # taken off per word): about 5e-5, bounded at 2e-4 (a wrong nibble or activation gives ~1).
+    bound = 2e-4 if dtype == torch.float32 else BOUND[dtype]
+    assert relative_error(out, reference(weights, x, ids, wts)) < bound
+    used = moe.configs_used(m)
+    assert used["block_m"] == 1 and used["g1"]["gemv"] and used["g2"]["gemv"]
+
+
+def test_word_order_places_every_activation_at_its_nibble():
+    """Position t of word i of chunk c holds value 32c + 4i + t//2 (t even, the low nibble of
+    byte 4i + t//2) or 32c + 16 + 4i + t//2 (t odd, the high nibble); position 8 the bias."""
+    shape = quant.MoEShape(experts=2, hidden=96, inter=64, topk=1, group_size=32)
+    moe = tm.TritonW4A16MoE(quant.random_weights(shape, "cpu"), max_m=2, table=gemv_table())
+    x = torch.arange(2 * 96, dtype=torch.float32).reshape(2, 96)
+    moe.word_order(x, torch.zeros(2, 1, dtype=torch.int32))
+    kw = 96 // 8
+    got = moe._xw.view(2, 9, kw)
+    for row in range(2):
+        for w in range(kw):
+            c, i = divmod(w, 4)
+            low = [x[row, 32 * c + 4 * i + j] for j in range(4)]
+            high = [x[row, 32 * c + 16 + 4 * i + j] for j in range(4)]
+            assert got[row, 0:8:2, w].tolist() == low and got[row, 1:8:2, w].tolist() == high
+            assert float(got[row, 8, w]) == pytest.approx(-(136 * sum(low) + 2056 * sum(high)))
+
+
+def test_nibbles_read_as_offset_numbers_exactly():
+    """The bit trick behind the one-row kernels, on every byte value: the low nibble masked
+    into bits 16-19 under the exponent of 128 reads 128 + u, the high one in bits 12-15 under
+    the exponent of 2048 reads 2048 + u (no rounding)."""
+    b = torch.arange(256, dtype=torch.int64)
+    low = ((b << 16) & 0xF0000) | 0x43000000
+    high = ((b << 8) & 0xF000) | 0x45000000
+    as_float = lambda v: v.to(torch.int32).view(torch.float32)  # noqa: E731
+    assert torch.equal(as_float(low), 128.0 + (b & 0xF).float())
+    assert torch.equal(as_float(high), 2048.0 + (b >> 4).float())
+
+
+def test_one_row_workspace_only_where_the_table_uses_them():
+    shape = quant.MoEShape(experts=384, hidden=7168, inter=2048, topk=8, group_size=32)
+    assert tm._gemv_max_m(2048, gemv_table()) == 2048
+    tensor_only = single_entry_table(16)
+    assert tm._gemv_max_m(2048, tensor_only) == 0
+    mixed = [(8, gemv_table()[0][1]), (1 << 62, tensor_only[0][1])]
+    assert tm._gemv_max_m(4, mixed) == 4 and tm._gemv_max_m(2048, mixed) == 8
+    # The shipped table runs them at small M: their operand buffers are in the workspace.
+    limit = tm._gemv_max_m(2048)
+    if limit:
+        extra = 4 * sum(tm._word_order_elems(shape, limit))
+        assert extra == 4 * limit * 9 * (7168 + 8 * 2048) // 8
+        moe = tm.TritonW4A16MoE(quant.random_weights(ODD_SHAPE, "cpu"), max_m=3, table=mixed)
+        assert moe._partials["xw"].numel() == 3 * 9 * 96 // 8
+        assert moe._partials["hw"].numel() == 3 * 3 * 9 * 160 // 8
 
 
 @pytest.mark.parametrize("shape,needle", [
