@@ -5,7 +5,13 @@ that matter (a development tool, not the payload).
   PYTHONPATH=files python3 tools/compile_check.py [--sass-out DIR]
 
 Catches PTX that does not assemble before any GPU time is spent, and shows whether a
-configuration spills or which matrix instructions it uses.
+configuration spills or which matrix instructions it uses. It also refuses (exit 1) a
+configuration whose warp-group MMA reads a register operand that a later instruction
+overwrites before the wait that retires it (`wgmma_operand_hazards`): the compiler lets that
+through when it does not serialise the MMAs, and on the GPU it gives results that vary run to
+run (seen: relative error 7e-3 to 7e2 or NaN for the same configuration). Use the Triton
+version the GPU host runs (the SASS differs between versions): for example a venv with
+`pip install triton==3.6.0` and a CPU torch wheel.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from triton.compiler import ASTSource
 from moe_bench import triton_moe as tm
 
 TARGET = GPUTarget("cuda", 90, 32)
-OPS = ("HGMMA", "HMMA", "LDSM", "LDS", "LDS.64", "LDS.128", "LDS.U8", "STS", "LDGSTS", "LDG", "LDL", "STL", "PRMT",
+OPS = ("HGMMA", "WARPGROUP.DEPBAR", "HMMA", "LDSM", "LDS", "LDS.64", "LDS.128", "LDS.U8", "STS", "LDGSTS", "LDG", "LDL", "STL", "PRMT",
        "LOP3", "HFMA2", "F2FP", "FFMA", "BAR")
 
 # (name, gemm, block_m) -- GEMM1 at the kimi-k2.6 shape (K = 7168), GEMM2 (K = 2048).
@@ -101,6 +107,52 @@ def describe(compiled) -> dict:
                 wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"), counts=counts, sass=sass)
 
 
+def _dest_registers(text: str) -> set[int]:
+    """Registers an instruction writes (its first operand), widened for 64/128-bit results."""
+    parts = text.split(None, 1)
+    if parts and parts[0].startswith("@"):
+        parts = parts[1].split(None, 1)
+    if len(parts) < 2 or parts[0].startswith(("ST", "RED", "BRA", "BAR", "WARPGROUP", "HGMMA")):
+        return set()
+    match = re.match(r"R(\d+)\b", parts[1])
+    if not match:
+        return set()
+    width = 4 if ".128" in parts[0] else 2 if (".64" in parts[0] or ".WIDE" in parts[0]) else 1
+    return set(range(int(match.group(1)), int(match.group(1)) + width))
+
+
+def wgmma_operand_hazards(sass: str) -> list[str]:
+    """Warp-group MMAs whose register operand (A: four registers) is overwritten before a
+    wait retires it, following the loop back to its start: undefined behaviour that the
+    compiler does not prevent (it shows as wrong or NaN results that vary run to run)."""
+    ins = []
+    for line in sass.splitlines():
+        match = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", line)
+        if match:
+            ins.append((int(match.group(1), 16), match.group(2).strip()))
+    loops = []
+    for addr, text in ins:
+        target = re.search(r"BRA 0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+    found = []
+    for start, end in loops:
+        body = [(a, t) for a, t in ins if start <= a <= end]
+        for i, (addr, text) in enumerate(body):
+            operand = re.search(r"HGMMA\S*\s+R\d+,\s+R(\d+),", text)
+            if not operand:
+                continue
+            regs = set(range(int(operand.group(1)), int(operand.group(1)) + 4))
+            for j in range(1, len(body)):
+                other_addr, other = body[(i + j) % len(body)]
+                if "WARPGROUP.DEPBAR" in other:
+                    break
+                if regs & _dest_registers(other):
+                    found.append(f"{hex(addr)} {text.split(',')[1].strip()} overwritten at {hex(other_addr)} ({other.split()[0]})")
+                    break
+    return found
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sass-out", default="")
@@ -109,7 +161,7 @@ def main() -> int:
 
     seen = set()
     failed = 0
-    for m in (1, 64, 1024, 2048):
+    for m in (1, 64, 128, 512, 1024, 2048):
         shape = tm.quant.MoEShape(384, 7168, 2048, 8, 32)
         for name, bm, g1, g2 in variants(m, tm._config_for(shape, m)):
             g1 = tm._fit(g1, shape.hidden, shape.inter, shape.group_size)
@@ -127,6 +179,10 @@ def main() -> int:
                     print(f"{label:40s} FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                     continue
                 d = describe(compiled)
+                hazards = wgmma_operand_hazards(d["sass"])
+                if hazards:
+                    failed += 1
+                    print(f"{label:40s} UNSAFE: MMA register operand overwritten in flight: {hazards[:3]}", flush=True)
                 print(f"{label:40s} regs {d['regs']:3d} stack {d['stack']:3d} local {d['local']:3d} smem {d['shared']:6d} "
                       f"wgmma {d['wgmma']:3d} mma {d['mma']:3d} "
                       + " ".join(f"{k}={v}" for k, v in d["counts"].items() if v), flush=True)

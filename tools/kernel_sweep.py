@@ -167,6 +167,9 @@ def variants(m: int, base: dict) -> list[tuple[str, int, dict, dict]]:
         grid += [(16, gu(_p(64, stages=3, split=2))), (16, gu(_p(64, stages=3))), (16, gu(_p(32, stages=3))),
                  (16, gu(_p(32, stages=3, split=2))), (16, gu(_p(64, bk=64))), (16, gu(_p(32, swap=True, stages=3))),
                  (16, gu(_p(64, swap=True, stages=3)))]
+    if 128 <= m <= 1024:
+        grid += [(32, gu(_d(64, 64, 4, 4, swap=True))), (32, gu(_d(64, 128, 4, 3, swap=True))),
+                 (32, _d(128, 64, 4, 4, swap=True)), (32, _d(128, 64, 4, 3, swap=True))]
     if 512 <= m <= 1024:
         grid += [(32, gu(_d(64, 128, 4, 4))), (32, gu(_d(32, 128, 4, 4))), (32, gu(_d(64, 64, 4, 4, swap=True)))]
     if m >= 1024:
@@ -176,7 +179,10 @@ def variants(m: int, base: dict) -> list[tuple[str, int, dict, dict]]:
                  (64, gu(_d(64, 32, 4, 4, swap=True))), (64, _d(64, 64, 4, 3, swap=True))]
         # Two warp groups: wider weight tiles, so each program re-reads its activation rows
         # (from L2) for more columns; GEMM2 gets its own (wider) tile.
-        pairs += [(64, gu(_d(128, 64, 8, 3, swap=True)), _d(256, 64, 8, 3, swap=True)),
+        pairs += [(64, gu(_d(64, 64, 4, 4, swap=True)), _d(128, 128, 4, 3, swap=True)),
+                  (64, gu(_d(64, 64, 4, 3, swap=True)), _d(128, 64, 4, 3, swap=True)),
+                  (64, gu(_d(64, 128, 4, 2, swap=True)), _d(128, 64, 4, 5, swap=True)),
+                  (64, gu(_d(128, 64, 8, 3, swap=True)), _d(256, 64, 8, 3, swap=True)),
                   (64, gu(_d(128, 32, 8, 4, swap=True)), _d(128, 64, 8, 4, swap=True)),
                   (64, gu(_d(64, 64, 8, 3, swap=True)), _d(256, 32, 8, 4, swap=True))]
     for bm, g in grid:
@@ -187,6 +193,16 @@ def variants(m: int, base: dict) -> list[tuple[str, int, dict, dict]]:
     for bm, g1, g2 in pairs:
         out.append((f"bm{bm}:{tag(g1)}+{tag(g2)}", bm, g1, g2))
     return out
+
+
+def _operand_hazards(kernel) -> list[str]:
+    """compile_check.wgmma_operand_hazards on a launched kernel's SASS ([] when unreadable)."""
+    try:
+        from compile_check import wgmma_operand_hazards  # noqa: E402  (same folder)
+
+        return wgmma_operand_hazards(kernel.asm["sass"])
+    except Exception:  # no nvdisasm, CPU interpreter
+        return []
 
 
 def dump_kernel(compiled, label: str) -> str:
@@ -263,6 +279,11 @@ def variant_sweep(args) -> int:
                 for which in ("last_gemm1", "last_gemm2"):
                     kernel = getattr(check, which, None)
                     row[which[5:] + "_regs"] = (getattr(kernel, "n_regs", None), getattr(kernel, "n_spills", None))
+                    hazards = _operand_hazards(kernel)
+                    if hazards:
+                        # Passing the check once proves nothing for a race: the candidate is out.
+                        row["ok"] = False
+                        row["error"] = f"{which[5:]}: MMA register operand overwritten in flight {hazards[:2]}"
                 if m in (1, 64, 2048) and len(ir) < 12:
                     ir.append(dump_kernel(check.last_gemm1, f"GEMM1 M={m} {name} {g1}"))
                 gemv = bool(g1.get("gemv"))

@@ -140,20 +140,39 @@ def _nibbles_ptx(high: bool) -> str:
 
 _LOW_NIBBLES_PTX = tl.constexpr(_nibbles_ptx(high=False))
 _HIGH_NIBBLES_PTX = tl.constexpr(_nibbles_ptx(high=True))
+# Two packed bytes ($2, low half) -> the values q of their low nibbles ($0) and of their high
+# nibbles ($1), one bf16x2 register each: one byte permute serves both.
+_PAIR_NIBBLES_PTX = tl.constexpr(
+    "{ .reg .b32 t, th, lo, hi, one, off;\n"
+    "mov.b32 one, 0x3F803F80;\n"
+    "mov.b32 off, 0xC308C308;\n"
+    "prmt.b32 t, $2, 0, 0x4140;\n"
+    "shr.b32 th, t, 4;\n"
+    "lop3.b32 lo, t, 0x000F000F, 0x43004300, 0xEA;\n"
+    "lop3.b32 hi, th, 0x000F000F, 0x43004300, 0xEA;\n"
+    "fma.rn.bf16x2 $0, lo, one, off;\n"
+    "fma.rn.bf16x2 $1, hi, one, off; }")
 
 
 @triton.jit
-def _dequant(p, CONVERT_ASM: tl.constexpr):
+def _dequant(p, CONVERT_ASM: tl.constexpr, PAIRS: tl.constexpr = False):
     """Packed bytes p -> (low, high): the int4 values q = u - 8 of the low and the high nibbles,
     as exact bf16 numbers.
 
     A nibble u written under the bf16 exponent of 128 (0x4300) reads as 128 + u: no
     integer-to-float conversion; one fused multiply-add per two values then subtracts 136.
-    With CONVERT_ASM that runs on four bytes at a time in 32-bit registers (PTX: a byte permute
-    spreads two bytes into the low halves of two 16-bit lanes, one lop3 masks the nibbles and
-    sets the exponent in both lanes, one bf16x2 fma; see _nibbles_ptx); GPU only (Triton's
-    interpreter runs no PTX)."""
-    if CONVERT_ASM:
+    With CONVERT_ASM that runs in PTX (GPU only: Triton's interpreter runs no PTX) on the
+    bytes as the operand layout hands them over: four at a time (a byte permute spreads two
+    bytes into the low halves of two 16-bit lanes, one lop3 masks the nibbles and sets the
+    exponent in both lanes, one bf16x2 fma; see _nibbles_ptx) for the mma.sync operand, whose
+    registers hold four K-neighbours; with PAIRS two at a time (_PAIR_NIBBLES_PTX) for the
+    warp-group MMA's register operand, whose registers hold K pairs: four-byte packs there
+    cost about 7 extra byte permutes per pack to assemble (compiled: the M=2048 GEMM1 loop
+    314 -> 250 instructions), while for mma.sync the pairs cost more than they save."""
+    if CONVERT_ASM and PAIRS:
+        lo, hi = tl.inline_asm_elementwise(_PAIR_NIBBLES_PTX, "=r,=r,r", [p], dtype=(tl.bfloat16, tl.bfloat16),
+                                           is_pure=True, pack=2)
+    elif CONVERT_ASM:
         lo = tl.inline_asm_elementwise(_LOW_NIBBLES_PTX, "=r,=r,r", [p], dtype=tl.bfloat16, is_pure=True, pack=4)
         hi = tl.inline_asm_elementwise(_HIGH_NIBBLES_PTX, "=r,=r,r", [p], dtype=tl.bfloat16, is_pure=True, pack=4)
     else:
@@ -188,7 +207,7 @@ def _step(a_lo, a_hi, p, s, acc, POST_SCALE: tl.constexpr, SWAP_AB: tl.constexpr
     [BN] float32 scales: the dot runs on the integers and its result is scaled once. Without
     it s is a [BKH, BN] float32 tile (each weight's scale) and the weights are scaled before
     the dot (one rounding to the activation dtype, as a dequantised weight would have)."""
-    lo, hi = _dequant(p, CONVERT_ASM)
+    lo, hi = _dequant(p, CONVERT_ASM, SWAP_AB)
     if POST_SCALE:
         lo = lo.to(a_lo.dtype)
         hi = hi.to(a_lo.dtype)
@@ -699,6 +718,9 @@ def _gemv_kernel(
 # Chosen on one H200 at the kimi-k2.6 shape with `tools/kernel_sweep.py --variants` (every
 # candidate checked against the float32 reference, then each GEMM timed alone; per M the
 # block size whose best GEMM1 + best GEMM2 is smallest). PERFORMANCE.md has the sweeps.
+# Every swapped (warp-group MMA) row is one the compiler serialises: with Triton 3.6 the
+# faster-looking unserialised ones let the MMA's register operand be overwritten while it is
+# in flight (a race; tools/compile_check.py finds them, the sweep refuses them).
 TILE_TABLE: list[tuple[int, dict]] = [
     (4, dict(block_m=1,
          g1=dict(gemv=True, bn=32, bkw=64, warps=4, stages=1, asm=True),
@@ -706,15 +728,9 @@ TILE_TABLE: list[tuple[int, dict]] = [
     (64, dict(block_m=1,
          g1=dict(gemv=True, bn=32, bkw=64, warps=4, stages=1, asm=True),
          g2=dict(gemv=True, bn=128, bkw=32, warps=4, stages=1, asm=True))),
-    (128, dict(block_m=16,
-         g1=dict(bn=64, bk=128, warps=4, stages=3, post=True, whole=False, swap=False, split=1, asm=True),
-         g2=dict(bn=128, bk=128, warps=4, stages=3, post=True, whole=False, swap=True, split=1, asm=True))),
-    (512, dict(block_m=32,
-         g1=dict(bn=64, bk=128, warps=4, stages=4, post=False, whole=True, swap=False, split=1, asm=True),
-         g2=dict(bn=64, bk=64, warps=4, stages=4, post=False, whole=True, swap=True, split=1, asm=True))),
     (1024, dict(block_m=32,
-         g1=dict(bn=64, bk=128, warps=4, stages=4, post=False, whole=True, swap=False, split=1, asm=True, gu=True),
-         g2=dict(bn=128, bk=128, warps=4, stages=3, post=False, whole=True, swap=True, split=1, asm=True))),
+         g1=dict(bn=64, bk=128, warps=4, stages=3, post=False, whole=True, swap=True, split=1, asm=True, gu=True),
+         g2=dict(bn=128, bk=64, warps=4, stages=4, post=False, whole=True, swap=True, split=1, asm=True))),
     (1 << 62, dict(block_m=64,
          g1=dict(bn=64, bk=64, warps=4, stages=3, post=False, whole=True, swap=True, split=1, asm=True, gu=True),
          g2=dict(bn=128, bk=64, warps=4, stages=4, post=False, whole=True, swap=True, split=1, asm=True))),
