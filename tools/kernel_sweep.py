@@ -11,7 +11,10 @@ With --variants: for every M, the shipped table's row and the candidates of vari
 size and per-GEMM options), each checked against the float32 reference on the GPU before it is
 timed; per M the block size whose fastest GEMM1 plus fastest GEMM2 is smallest wins. The
 winners go to --table-out; --harness-out then runs the harness in the same process with the
-swept M values' winners in place of their table rows.
+swept M values' winners in place of their table rows. A candidate whose compiled code lets a
+warp-group MMA's register operand be overwritten in flight (compile_check.wgmma_operand_hazards)
+is refused even when its check passed: a race need not show in one check. --only REGEX keeps
+the shipped row and the candidates whose names match.
 With --profile-once: two plain forwards per M with the shipped table, for Nsight Compute:
   ncu --clock-control none -k regex:_gemm[12]_kernel --launch-skip 2 --launch-count 2 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
