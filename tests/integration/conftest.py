@@ -222,13 +222,14 @@ class SimHost:
         raise AssertionError("%s on %s not healthy within %s s: %s" % (UNIT, self.name, timeout, self.unit_show()))
 
     def stop_count(self, since_epoch):
-        """How many times systemd logged the unit stopping since a moment (journal 'Stopping')."""
-        out = self.exec("journalctl -u %s --since @%d --no-pager -o cat" % (UNIT, int(since_epoch)),
+        """How many times systemd logged the unit stopping since a moment (journal 'Stopping').
+        The moment keeps its fraction: whole seconds would count a stop made just before it."""
+        out = self.exec("journalctl -u %s --since @%.6f --no-pager -o cat" % (UNIT, since_epoch),
                         check=False).stdout
         return len([line for line in out.splitlines() if line.startswith("Stopping ")])
 
     def journal(self, unit=UNIT, since_epoch=None):
-        since = "--since @%d" % int(since_epoch) if since_epoch else ""
+        since = "--since @%.6f" % since_epoch if since_epoch else ""
         return self.exec("journalctl -u %s %s --no-pager -o cat" % (unit, since), check=False).stdout
 
     def epoch(self):
