@@ -124,9 +124,11 @@ def _block_owner(pid_b, counts_ptr, starts_ptr, ends_ptr, num_experts, BLOCK_M: 
 def _nibbles_ptx(high: bool) -> str:
     """PTX for four packed bytes ($2) -> the four values q = u - 8 of their low (or high)
     nibbles as two bf16x2 registers ($0, $1): byte permute, nibble mask with the exponent of
-    128 set (128 + u), one bf16x2 fma subtracting 136. Two separate blocks measured faster at
-    M=1 than one block with four outputs (161 against 149 us on an H200; the high-nibble block
-    redoing the permutes is cheaper than keeping both results live)."""
+    128 set (128 + u), one bf16x2 fma subtracting 136. For the mma.sync operand, whose
+    registers hold four K-neighbours; two separate blocks measured faster than one block with
+    four outputs (round 7, PERFORMANCE.md; the high-nibble block redoing the permutes is
+    cheaper than keeping both results live). The warp-group MMA operand takes
+    _PAIR_NIBBLES_PTX instead (see _dequant)."""
     source = "s" if high else "$2"
     lines = ["{ .reg .b32 " + ("s, " if high else "") + "t0, t1, one, off;", "mov.b32 one, 0x3F803F80;",
              "mov.b32 off, 0xC308C308;"]
@@ -651,8 +653,8 @@ def _gemv_kernel(
 
     a: float32 activation rows in the order of _store_word_order. GATE_UP (GEMM1): a's row is
     the slot's token, w is w13, N = inter: the program dots gate columns n and up columns
-    N + n and stores SiLU(gate) * up (rounded to INTER_DTYPE, the activations' dtype) at out[slot] in the same operand
-    order for GEMM2 (BLOCK_N a multiple of 32). Otherwise (GEMM2): a's row is the slot, w is
+    N + n and stores SiLU(gate) * up (rounded to INTER_DTYPE, the activations' dtype) at
+    out[slot] in the same operand order for GEMM2 (BLOCK_N a multiple of 32). Otherwise (GEMM2): a's row is the slot, w is
     w2: stores the result times the slot's top-k weight at out[slot]. w_ptr: the packed
     weights viewed as uint32 words [E, N, K / 8] (strides in words)."""
     pid = tl.program_id(0)

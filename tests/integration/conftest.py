@@ -222,15 +222,16 @@ class SimHost:
         raise AssertionError("%s on %s not healthy within %s s: %s" % (UNIT, self.name, timeout, self.unit_show()))
 
     def stop_count(self, since_epoch):
-        """How many times systemd logged the unit stopping since a moment (journal 'Stopping').
-        The moment keeps its fraction: whole seconds would count a stop made just before it."""
-        out = self.exec("journalctl -u %s --since @%.6f --no-pager -o cat" % (UNIT, since_epoch),
-                        check=False).stdout
-        return len([line for line in out.splitlines() if line.startswith("Stopping ")])
+        """How many times systemd logged the unit stopping since a moment (journal 'Stopping')."""
+        return len([line for line in self.journal(since_epoch=since_epoch).splitlines()
+                    if line.startswith("Stopping ")])
 
     def journal(self, unit=UNIT, since_epoch=None):
+        """The journal of one unit (all units with unit=None), since a moment if given. The
+        moment keeps its fraction: whole seconds would take in what happened just before it."""
+        where = "-u %s" % unit if unit else ""
         since = "--since @%.6f" % since_epoch if since_epoch else ""
-        return self.exec("journalctl -u %s %s --no-pager -o cat" % (unit, since), check=False).stdout
+        return self.exec("journalctl %s %s --no-pager -o cat" % (where, since), check=False).stdout
 
     def epoch(self):
         return float(self.exec("date +%s.%N").stdout.strip())
