@@ -5,11 +5,14 @@ that matter (a development tool, not the payload).
   PYTHONPATH=files python3 tools/compile_check.py [--sass-out DIR]
 
 Catches PTX that does not assemble before any GPU time is spent, and shows whether a
-configuration spills or which matrix instructions it uses. It also refuses (exit 1) a
-configuration whose warp-group MMA reads a register operand that a later instruction
-overwrites before the wait that retires it (`wgmma_operand_hazards`): the compiler lets that
-through when it does not serialise the MMAs, and on the GPU it gives results that vary run to
-run (seen: relative error 7e-3 to 7e2 or NaN for the same configuration). Use the Triton
+configuration spills or which matrix instructions it uses. Swapped rows are compiled as the
+backend tries them first, in the overlapped form (K a compile-time constant, MMAs left in
+flight across steps), and checked as the backend checks them (moe_bench.sass): a warp-group
+MMA whose register operand a later instruction overwrites before the wait that retires it
+gives results that vary run to run on the GPU (seen: relative error 7e-3 to 7e2 or NaN for
+the same configuration). Where the overlapped form has such a write the tool says so and
+checks the serialised form the backend then runs; it refuses (exit 1) a configuration whose
+serialised form has one too. Use the Triton
 version the GPU host runs (the SASS differs between versions): for example a venv with
 `pip install triton==3.6.0` and a CPU torch wheel.
 """
@@ -28,6 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moe_bench import triton_moe as tm
+from moe_bench.sass import wgmma_operand_hazards  # noqa: F401  (re-exported for the tests and the sweep)
 
 TARGET = GPUTarget("cuda", 90, 32)
 OPS = ("HGMMA", "WARPGROUP.DEPBAR", "HMMA", "LDSM", "LDS", "LDS.64", "LDS.128", "LDS.U8", "STS", "LDGSTS", "LDG", "LDL", "STL", "PRMT",
@@ -67,7 +71,10 @@ def compile_gemv(which: int, g: dict, group: int = 32):
     return triton.compile(src, target=TARGET, options=dict(num_warps=g["warps"], num_stages=g.get("stages", 1)))
 
 
-def compile_gemm(which: int, block_m: int, g: dict, group: int = 32):
+def compile_gemm(which: int, block_m: int, g: dict, group: int = 32, overlap: bool | None = None):
+    """GEMM1 or GEMM2 at the kimi-k2.6 shape. overlap (default: for swapped rows, as the backend
+    tries first): K as a compile-time constant, the form whose MMAs may stay in flight
+    (TritonW4A16MoE._launch); otherwise K at run time, the form the compiler serialises."""
     if g.get("gemv"):
         return compile_gemv(which, g, group)
     kernel = tm._gemm1_kernel if which == 1 else tm._gemm2_kernel
@@ -78,6 +85,9 @@ def compile_gemm(which: int, block_m: int, g: dict, group: int = 32):
     if which == 1:
         constants["TOPK"] = 8
         constants["FUSE_GU"] = bool(g.get("gu", False))
+    if overlap is None:
+        overlap = bool(g["swap"])
+    constants["K_CONST"] = (7168 if which == 1 else 2048) if overlap else 0
     for name in constants:
         signature[name] = "constexpr"
     # As the JIT specialises them at this shape: every pointer and integer argument divisible by 16.
@@ -107,52 +117,6 @@ def describe(compiled) -> dict:
                 wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"), counts=counts, sass=sass)
 
 
-def _dest_registers(text: str) -> set[int]:
-    """Registers an instruction writes (its first operand), widened for 64/128-bit results."""
-    parts = text.split(None, 1)
-    if parts and parts[0].startswith("@"):
-        parts = parts[1].split(None, 1)
-    if len(parts) < 2 or parts[0].startswith(("ST", "RED", "BRA", "BAR", "WARPGROUP", "HGMMA")):
-        return set()
-    match = re.match(r"R(\d+)\b", parts[1])
-    if not match:
-        return set()
-    width = 4 if ".128" in parts[0] else 2 if (".64" in parts[0] or ".WIDE" in parts[0]) else 1
-    return set(range(int(match.group(1)), int(match.group(1)) + width))
-
-
-def wgmma_operand_hazards(sass: str) -> list[str]:
-    """Warp-group MMAs whose register operand (A: four registers) is overwritten before a
-    wait retires it, following the loop back to its start: undefined behaviour that the
-    compiler does not prevent (it shows as wrong or NaN results that vary run to run)."""
-    ins = []
-    for line in sass.splitlines():
-        match = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", line)
-        if match:
-            ins.append((int(match.group(1), 16), match.group(2).strip()))
-    loops = []
-    for addr, text in ins:
-        target = re.search(r"BRA 0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < addr:
-            loops.append((int(target.group(1), 16), addr))
-    found = []
-    for start, end in loops:
-        body = [(a, t) for a, t in ins if start <= a <= end]
-        for i, (addr, text) in enumerate(body):
-            operand = re.search(r"HGMMA\S*\s+R\d+,\s+R(\d+),", text)
-            if not operand:
-                continue
-            regs = set(range(int(operand.group(1)), int(operand.group(1)) + 4))
-            for j in range(1, len(body)):
-                other_addr, other = body[(i + j) % len(body)]
-                if "WARPGROUP.DEPBAR" in other:
-                    break
-                if regs & _dest_registers(other):
-                    found.append(f"{hex(addr)} {text.split(',')[1].strip()} overwritten at {hex(other_addr)} ({other.split()[0]})")
-                    break
-    return found
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sass-out", default="")
@@ -180,6 +144,12 @@ def main() -> int:
                     continue
                 d = describe(compiled)
                 hazards = wgmma_operand_hazards(d["sass"])
+                if hazards and g.get("swap"):
+                    # The backend refuses the overlapped form and runs the serialised one.
+                    print(f"{label:40s} overlapped form refused (the backend falls back): {hazards[:3]}", flush=True)
+                    compiled = compile_gemm(which, bm, g, overlap=False)
+                    d = describe(compiled)
+                    hazards = wgmma_operand_hazards(d["sass"])
                 if hazards:
                     failed += 1
                     print(f"{label:40s} UNSAFE: MMA register operand overwritten in flight: {hazards[:3]}", flush=True)

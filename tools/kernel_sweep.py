@@ -12,7 +12,7 @@ size and per-GEMM options), each checked against the float32 reference on the GP
 timed; per M the block size whose fastest GEMM1 plus fastest GEMM2 is smallest wins. The
 winners go to --table-out; --harness-out then runs the harness in the same process with the
 swept M values' winners in place of their table rows. A candidate whose compiled code lets a
-warp-group MMA's register operand be overwritten in flight (compile_check.wgmma_operand_hazards)
+warp-group MMA's register operand be overwritten in flight (moe_bench.sass.wgmma_operand_hazards)
 is refused even when its check passed: a race need not show in one check. --only REGEX keeps
 the shipped row and the candidates whose names match.
 With --profile-once: two plain forwards per M with the shipped table, for Nsight Compute:
@@ -199,9 +199,9 @@ def variants(m: int, base: dict) -> list[tuple[str, int, dict, dict]]:
 
 
 def _operand_hazards(kernel) -> list[str]:
-    """compile_check.wgmma_operand_hazards on a launched kernel's SASS ([] when unreadable)."""
+    """moe_bench.sass.wgmma_operand_hazards on a launched kernel's SASS ([] when unreadable)."""
     try:
-        from compile_check import wgmma_operand_hazards  # noqa: E402  (same folder)
+        from moe_bench.sass import wgmma_operand_hazards
 
         return wgmma_operand_hazards(kernel.asm["sass"])
     except Exception:  # no nvdisasm, CPU interpreter

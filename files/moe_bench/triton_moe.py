@@ -50,13 +50,14 @@ work too (the CPU tests use them under TRITON_INTERPRET=1, whose tl.dot is wrong
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from . import quant
+from . import quant, sass
 
 # ---------------------------------------------------------------------------
 # Kernels
@@ -223,11 +224,18 @@ def _step(a_lo, a_hi, p, s, acc, POST_SCALE: tl.constexpr, SWAP_AB: tl.constexpr
             acc += d * s[None, :]
     else:
         w_lo = _scaled(lo, s, a_lo.dtype, CONVERT_ASM)
-        w_hi = _scaled(hi, s, a_lo.dtype, CONVERT_ASM)
         if SWAP_AB:
+            # The high half is scaled after the low half's dot, not before: a warp-group MMA
+            # reads its register operand while it runs, and the dot that ends a step is still
+            # running when the next step begins. Scaled up front, the next step would rewrite
+            # that operand (the same registers, one step later) before the wait that follows
+            # its first dot; in this order each operand is written after that wait, so a
+            # step's last MMAs may stay in flight (see TritonW4A16MoE._launch).
             acc = tl.dot(tl.trans(w_lo), tl.trans(a_lo), acc)
+            w_hi = _scaled(hi, s, a_lo.dtype, CONVERT_ASM)
             acc = tl.dot(tl.trans(w_hi), tl.trans(a_hi), acc)
         else:
+            w_hi = _scaled(hi, s, a_lo.dtype, CONVERT_ASM)
             acc = tl.dot(a_lo, w_lo, acc)
             acc = tl.dot(a_hi, w_hi, acc)
     return acc
@@ -327,6 +335,7 @@ def _gemm1_kernel(
     CONVERT_ASM: tl.constexpr,
     SPLIT_K: tl.constexpr,
     FUSE_GU: tl.constexpr,
+    K_CONST: tl.constexpr = 0,
 ):
     """One block of sorted rows x one tile of BLOCK_N intermediate columns: gate and up tiles
     from w13 (columns n and INTER + n), SiLU(gate) * up stored per sorted row. With FUSE_GU
@@ -346,7 +355,11 @@ def _gemm1_kernel(
     slot = tl.load(sorted_slot_ptr + pid_b * BLOCK_M + offs_m, mask=row_ok, other=0)
     token = (slot // TOPK).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_split = K // SPLIT_K  # with SPLIT_K each program reduces one slice (a whole number of steps)
+    # With SPLIT_K each program reduces one slice (a whole number of steps); K_CONST: see _launch.
+    if K_CONST > 0:
+        k_split = K_CONST // SPLIT_K
+    else:
+        k_split = K // SPLIT_K
     k_first = pid_k * k_split
     BLOCK_K: tl.constexpr = GROUPS_PER_STEP * GROUP
     out_rows = (pid_b * BLOCK_M + offs_m).to(tl.int64)
@@ -437,6 +450,7 @@ def _gemm2_kernel(
     SWAP_AB: tl.constexpr,
     CONVERT_ASM: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    K_CONST: tl.constexpr = 0,
 ):
     """One block of sorted rows x one tile of BLOCK_N output columns of w2, times each slot's
     top-k weight, stored per slot."""
@@ -461,7 +475,10 @@ def _gemm2_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_split = K // SPLIT_K
+    if K_CONST > 0:
+        k_split = K_CONST // SPLIT_K
+    else:
+        k_split = K // SPLIT_K
     k_first = pid_k * k_split
     BLOCK_K: tl.constexpr = GROUPS_PER_STEP * GROUP
     for k0 in range(k_first, k_first + k_split, BLOCK_K):
@@ -720,9 +737,9 @@ def _gemv_kernel(
 # Chosen on one H200 at the kimi-k2.6 shape with `tools/kernel_sweep.py --variants` (every
 # candidate checked against the float32 reference, then each GEMM timed alone; per M the
 # block size whose best GEMM1 + best GEMM2 is smallest). PERFORMANCE.md has the sweeps.
-# Every swapped (warp-group MMA) row is one the compiler serialises: with Triton 3.6 the
-# faster-looking unserialised ones let the MMA's register operand be overwritten while it is
-# in flight (a race; tools/compile_check.py finds them, the sweep refuses them).
+# Swapped (warp-group MMA) rows run overlapped where their compiled code passes the race check
+# (TritonW4A16MoE._launch, moe_bench.sass), else serialised; the table's rows were timed in
+# the serialised form and then re-measured overlapped (rounds 9-11 of PERFORMANCE.md).
 TILE_TABLE: list[tuple[int, dict]] = [
     (4, dict(block_m=1,
          g1=dict(gemv=True, bn=32, bkw=64, warps=4, stages=1, asm=True),
@@ -911,6 +928,8 @@ class TritonW4A16MoE:
         self._partials["xw"] = torch.empty(x_elems, dtype=torch.float32, device=device)
         self._partials["hw"] = torch.empty(inter_elems, dtype=torch.float32, device=device)
         self._g2_split = 1
+        # Per GEMM configuration: whether its overlapped form passed the SASS check (_launch).
+        self._overlap: dict[tuple, bool] = {}
         # The activation-sized buffers depend on x's dtype: made on first use per dtype
         # (outside a graph capture: the harness warms up before capturing).
 
@@ -930,7 +949,44 @@ class TritonW4A16MoE:
         return self._partials[which]
 
     def configs_used(self, m: int) -> dict:
-        return _config_for(self.shape, m, self.table)
+        """The table row for M; once a GEMM of it has run on the GPU, its options say which
+        MMA form ran ("mma_overlap": True for the overlapped form, see _launch)."""
+        cfg = dict(_config_for(self.shape, m, self.table))
+        for which in ("g1", "g2"):
+            ran = self._overlap.get((which, cfg["block_m"], json.dumps(cfg[which], sort_keys=True)))
+            if ran is not None:
+                cfg[which] = dict(cfg[which], mma_overlap=ran)
+        return cfg
+
+    def _launch(self, which: str, block_m: int, g: dict, k: int, launch):
+        """One GEMM launch; launch(k_const) launches the kernel and returns what Triton returns
+        (the compiled kernel).
+
+        Swapped rows on the GPU use the warp-group MMA with the weights in registers. With the
+        reduction length K a compile-time constant (k_const = K) the compiler lets the MMAs
+        that end a step run on while the next step loads and converts (about 4% faster at
+        M=2048, PERFORMANCE.md round 11); with K at run time (k_const = 0) it waits for every
+        MMA before the next instruction. The overlapped form is correct only if no instruction
+        writes an MMA's register operand before the wait that retires it, which the compiler
+        does not check and the kernel's order is written to ensure (see _step). So the first
+        launch of each configuration compiles the overlapped form and reads its SASS: the form
+        is kept when moe_bench.sass finds no such write, otherwise (or when the SASS cannot be
+        read) the kernel runs again with K at run time and keeps that form. Decided once per
+        configuration, before any graph capture (the harness's warm-up and correctness check
+        run every configuration first)."""
+        if self._device.type != "cuda" or not g.get("swap"):
+            return launch(0)
+        key = (which, block_m, json.dumps(g, sort_keys=True))
+        ok = self._overlap.get(key)
+        if ok is False:
+            return launch(0)
+        kernel = launch(k)
+        if ok is None:
+            code = sass.kernel_sass(kernel)
+            self._overlap[key] = code is not None and not sass.wgmma_operand_hazards(code)
+            if not self._overlap[key]:
+                kernel = launch(0)
+        return kernel
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
@@ -988,17 +1044,22 @@ class TritonW4A16MoE:
         rows = self._blocks_now * block_m
         part = self._partial("g1", split * rows * 2 * shape.inter) if split > 1 else inter_buf
         stride_ps = rows * 2 * shape.inter
-        self.last_gemm1 = _gemm1_kernel[(self._blocks_now * (shape.inter // g1["bn"]) * split,)](
-            x, w13.packed, w13.scales, inter_buf, self._sorted_slot, self._counts, self._starts, self._ends,
-            shape.experts, shape.hidden, shape.inter,
-            x.stride(0), w13.packed.stride(0), w13.packed.stride(1), w13.scales.stride(0), w13.scales.stride(1),
-            inter_buf.stride(0), part, stride_ps,
-            TOPK=shape.topk, GROUP=shape.group_size, BLOCK_M=block_m, BLOCK_N=g1["bn"],
-            GROUPS_PER_STEP=g1["bk"] // shape.group_size, NUM_BINS=self._num_bins,
-            POST_SCALE=g1["post"], WHOLE_TILE=g1.get("whole", False), SWAP_AB=g1["swap"],
-            CONVERT_ASM=_asm_enabled(g1), SPLIT_K=split, FUSE_GU=bool(g1.get("gu", False)),
-            num_warps=g1["warps"], num_stages=g1["stages"],
-        )
+        grid = (self._blocks_now * (shape.inter // g1["bn"]) * split,)
+
+        def launch(k_const: int):
+            return _gemm1_kernel[grid](
+                x, w13.packed, w13.scales, inter_buf, self._sorted_slot, self._counts, self._starts, self._ends,
+                shape.experts, shape.hidden, shape.inter,
+                x.stride(0), w13.packed.stride(0), w13.packed.stride(1), w13.scales.stride(0), w13.scales.stride(1),
+                inter_buf.stride(0), part, stride_ps,
+                TOPK=shape.topk, GROUP=shape.group_size, BLOCK_M=block_m, BLOCK_N=g1["bn"],
+                GROUPS_PER_STEP=g1["bk"] // shape.group_size, NUM_BINS=self._num_bins,
+                POST_SCALE=g1["post"], WHOLE_TILE=g1.get("whole", False), SWAP_AB=g1["swap"],
+                CONVERT_ASM=_asm_enabled(g1), SPLIT_K=split, FUSE_GU=bool(g1.get("gu", False)), K_CONST=k_const,
+                num_warps=g1["warps"], num_stages=g1["stages"],
+            )
+
+        self.last_gemm1 = self._launch("g1", block_m, g1, shape.hidden, launch)
         if split > 1:
             block_n = _largest_dividing(128, shape.inter, 32)
             _silu_mul_kernel[(self._blocks_now, shape.inter // block_n)](
@@ -1016,17 +1077,23 @@ class TritonW4A16MoE:
         stride_ps = self._m * shape.topk * shape.hidden
         part = self._partial("g2", split * stride_ps) if split > 1 else slot_buf
         self._g2_split = split
-        self.last_gemm2 = _gemm2_kernel[(self._blocks_now * (shape.hidden // g2["bn"]) * split,)](
-            inter_buf, w2.packed, w2.scales, slot_buf, topk_weights, self._sorted_slot,
-            self._counts, self._starts, self._ends, shape.experts,
-            shape.inter, shape.hidden,
-            inter_buf.stride(0), w2.packed.stride(0), w2.packed.stride(1), w2.scales.stride(0), w2.scales.stride(1),
-            slot_buf.stride(0), part, stride_ps,
-            GROUP=shape.group_size, BLOCK_M=block_m, BLOCK_N=g2["bn"],
-            GROUPS_PER_STEP=g2["bk"] // shape.group_size, NUM_BINS=self._num_bins,
-            POST_SCALE=g2["post"], WHOLE_TILE=g2.get("whole", False), SWAP_AB=g2["swap"],
-            CONVERT_ASM=_asm_enabled(g2), SPLIT_K=split, num_warps=g2["warps"], num_stages=g2["stages"],
-        )
+        grid = (self._blocks_now * (shape.hidden // g2["bn"]) * split,)
+
+        def launch(k_const: int):
+            return _gemm2_kernel[grid](
+                inter_buf, w2.packed, w2.scales, slot_buf, topk_weights, self._sorted_slot,
+                self._counts, self._starts, self._ends, shape.experts,
+                shape.inter, shape.hidden,
+                inter_buf.stride(0), w2.packed.stride(0), w2.packed.stride(1), w2.scales.stride(0),
+                w2.scales.stride(1), slot_buf.stride(0), part, stride_ps,
+                GROUP=shape.group_size, BLOCK_M=block_m, BLOCK_N=g2["bn"],
+                GROUPS_PER_STEP=g2["bk"] // shape.group_size, NUM_BINS=self._num_bins,
+                POST_SCALE=g2["post"], WHOLE_TILE=g2.get("whole", False), SWAP_AB=g2["swap"],
+                CONVERT_ASM=_asm_enabled(g2), SPLIT_K=split, K_CONST=k_const,
+                num_warps=g2["warps"], num_stages=g2["stages"],
+            )
+
+        self.last_gemm2 = self._launch("g2", block_m, g2, shape.inter, launch)
 
     def word_order(self, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
         """One-row kernels, step 1: x's rows as float32 in their operand order (and the slots'

@@ -298,3 +298,76 @@ def test_inputs_outside_the_contract_are_refused():
         moe(x[:2, :64], ids[:2], wts[:2])
     with pytest.raises(ValueError, match="topk_ids and topk_weights"):
         moe(x[:2], ids[:2, :2], wts[:2, :2])
+
+
+# The overlapped MMA form (K a compile-time constant; TritonW4A16MoE._launch) computes the
+# same as the serialised one: forced here for every swapped mode, split-K included.
+@pytest.mark.parametrize("mode", [m for m in MODES if m.get("swap")],
+                         ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+def test_overlapped_form_matches_reference(mode):
+    mode = dict(mode)
+    block_m = mode.pop("block_m")
+    weights = quant.random_weights(ODD_SHAPE, "cpu", seed=5)
+    moe = tm.TritonW4A16MoE(weights, max_m=32, table=single_entry_table(block_m, **mode))
+    forms = []
+
+    def overlapped(which, bm, g, k, launch):
+        forms.append(k)
+        return launch(k)
+
+    moe._launch = overlapped
+    x, ids, wts = random_inputs(ODD_SHAPE, 23, torch.float32, seed=8)
+    out = moe(x, ids, wts)
+    assert forms == [ODD_SHAPE.hidden, ODD_SHAPE.inter]
+    assert relative_error(out, reference(weights, x, ids, wts)) < BOUND[torch.float32]
+
+
+def _sass(*lines: str) -> str:
+    return "\n".join(f"        /*{0x100 + 16 * i:04x}*/                   {t} ;" for i, t in enumerate(lines))
+
+
+SAFE_SASS = _sass("LDS.U16 R41, [R78]", "HGMMA.64x64x16.F32.BF16 R24, R40, gdesc[UR8], R24, gsb0",
+                  "WARPGROUP.DEPBAR.LE gsb0, 0x0", "@!P2 BRA 0x100")
+RACY_SASS = _sass("LDS.U16 R41, [R78]", "HGMMA.64x64x16.F32.BF16 R24, R40, gdesc[UR8], R24, gsb0",
+                  "@!P2 BRA 0x100", "WARPGROUP.DEPBAR.LE gsb0, 0x0")
+
+
+class _Compiled:
+    def __init__(self, code):
+        self.asm = {} if code is None else {"sass": code}
+
+
+def test_overlapped_form_is_kept_only_when_its_sass_passes():
+    weights = quant.random_weights(TABLE_SHAPE, "cpu", seed=1)
+    moe = tm.TritonW4A16MoE(weights, max_m=128)
+    # The decision logic alone: the launches below stand in for GPU launches and return the
+    # SASS a compiler could have produced for each form.
+    moe._device = torch.device("cuda")
+    m = 128  # a tensor-core row of the shipped table (both GEMMs swapped)
+    cfg = moe.configs_used(m)
+    assert cfg["g1"]["swap"] and cfg["g2"]["swap"] and "mma_overlap" not in cfg["g1"]
+    calls = []
+
+    def launcher(overlapped_code):
+        def launch(k_const):
+            calls.append(k_const)
+            return _Compiled(overlapped_code if k_const else SAFE_SASS)
+        return launch
+
+    # Clean SASS: the overlapped form stays, with no second launch, now and later.
+    moe._launch("g1", cfg["block_m"], cfg["g1"], 7168, launcher(SAFE_SASS))
+    moe._launch("g1", cfg["block_m"], cfg["g1"], 7168, launcher(SAFE_SASS))
+    assert calls == [7168, 7168]
+    # A racy overlapped form: relaunched serialised at once, and serialised from then on.
+    calls.clear()
+    moe._launch("g2", cfg["block_m"], cfg["g2"], 2048, launcher(RACY_SASS))
+    moe._launch("g2", cfg["block_m"], cfg["g2"], 2048, launcher(RACY_SASS))
+    assert calls == [2048, 0, 0]
+    used = moe.configs_used(m)
+    assert used["g1"]["mma_overlap"] is True and used["g2"]["mma_overlap"] is False
+    # SASS that cannot be read counts as unsafe; rows without the swapped dot never try.
+    calls.clear()
+    other = dict(cfg["g1"], bn=32)
+    moe._launch("g1", cfg["block_m"], other, 7168, launcher(None))
+    moe._launch("g1", cfg["block_m"], dict(other, swap=False), 7168, launcher(SAFE_SASS))
+    assert calls == [7168, 0, 0]
