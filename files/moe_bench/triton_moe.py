@@ -970,10 +970,11 @@ class TritonW4A16MoE:
         writes an MMA's register operand before the wait that retires it, which the compiler
         does not check and the kernel's order is written to ensure (see _step). So the first
         launch of each configuration compiles the overlapped form and reads its SASS: the form
-        is kept when moe_bench.sass finds no such write, otherwise (or when the SASS cannot be
-        read) the kernel runs again with K at run time and keeps that form. Decided once per
-        configuration, before any graph capture (the harness's warm-up and correctness check
-        run every configuration first)."""
+        is kept when it holds warp-group MMAs (HGMMA: the MMA the check knows) and
+        moe_bench.sass finds no such write; otherwise (another GPU generation's MMAs, a write
+        found, SASS that cannot be read) the kernel runs again with K at run time and keeps
+        that form. Decided once per configuration, before any graph capture (the harness's
+        warm-up and correctness check run every configuration first)."""
         if self._device.type != "cuda" or not g.get("swap"):
             return launch(0)
         key = (which, block_m, json.dumps(g, sort_keys=True))
@@ -983,7 +984,7 @@ class TritonW4A16MoE:
         kernel = launch(k)
         if ok is None:
             code = sass.kernel_sass(kernel)
-            self._overlap[key] = code is not None and not sass.wgmma_operand_hazards(code)
+            self._overlap[key] = code is not None and "HGMMA" in code and not sass.wgmma_operand_hazards(code)
             if not self._overlap[key]:
                 kernel = launch(0)
         return kernel

@@ -365,9 +365,11 @@ def test_overlapped_form_is_kept_only_when_its_sass_passes():
     assert calls == [2048, 0, 0]
     used = moe.configs_used(m)
     assert used["g1"]["mma_overlap"] is True and used["g2"]["mma_overlap"] is False
-    # SASS that cannot be read counts as unsafe; rows without the swapped dot never try.
+    # SASS that cannot be read counts as unsafe, and so does SASS without the warp-group MMA
+    # the check knows (another GPU generation's MMAs); rows without the swapped dot never try.
     calls.clear()
     other = dict(cfg["g1"], bn=32)
     moe._launch("g1", cfg["block_m"], other, 7168, launcher(None))
+    moe._launch("g1", cfg["block_m"], dict(other, bk=32), 7168, launcher(SAFE_SASS.replace("HGMMA", "HMMA")))
     moe._launch("g1", cfg["block_m"], dict(other, swap=False), 7168, launcher(SAFE_SASS))
-    assert calls == [7168, 0, 0]
+    assert calls == [7168, 0, 7168, 0, 0]
