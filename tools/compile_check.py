@@ -31,7 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moe_bench import triton_moe as tm
-from moe_bench.sass import wgmma_operand_hazards  # noqa: F401  (re-exported for the tests and the sweep)
+from moe_bench.sass import wgmma_operand_hazards
 
 TARGET = GPUTarget("cuda", 90, 32)
 OPS = ("HGMMA", "WARPGROUP.DEPBAR", "HMMA", "LDSM", "LDS", "LDS.64", "LDS.128", "LDS.U8", "STS", "LDGSTS", "LDG", "LDL", "STL", "PRMT",

@@ -34,7 +34,7 @@ import time
 import torch
 import triton
 
-from moe_bench import quant
+from moe_bench import quant, sass
 from moe_bench import triton_moe as tm
 
 KIMI = quant.MoEShape(experts=384, hidden=7168, inter=2048, topk=8, group_size=32)
@@ -199,13 +199,11 @@ def variants(m: int, base: dict) -> list[tuple[str, int, dict, dict]]:
 
 
 def _operand_hazards(kernel) -> list[str]:
-    """moe_bench.sass.wgmma_operand_hazards on a launched kernel's SASS ([] when unreadable)."""
-    try:
-        from moe_bench.sass import wgmma_operand_hazards
-
-        return wgmma_operand_hazards(kernel.asm["sass"])
-    except Exception:  # no nvdisasm, CPU interpreter
-        return []
+    """moe_bench.sass.wgmma_operand_hazards on a launched kernel's SASS ([] when unreadable).
+    The backend already checks the overlapped form it keeps; this also covers the form it falls
+    back to, which it trusts the compiler to serialise."""
+    code = sass.kernel_sass(kernel)
+    return sass.wgmma_operand_hazards(code) if code else []
 
 
 def dump_kernel(compiled, label: str) -> str:
