@@ -41,20 +41,20 @@ OPS = ("HGMMA", "WARPGROUP.DEPBAR", "HMMA", "LDSM", "LDS", "LDS.64", "LDS.128", 
 SIGNATURE_1 = {
     "x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*bf16", "out_ptr": "*bf16", "sorted_slot_ptr": "*i32",
     "counts_ptr": "*i32", "starts_ptr": "*i32", "ends_ptr": "*i32", "num_experts": "i32", "K": "i32", "INTER": "i32",
-    "stride_xm": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_se": "i64", "stride_sg": "i32",
+    "stride_xm": "i32", "stride_we": "i64", "stride_wt": "i32", "stride_se": "i64", "stride_sg": "i32",
     "stride_om": "i32", "part_ptr": "*fp32", "stride_ps": "i64",
 }
 SIGNATURE_2 = {
     "a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*bf16", "out_ptr": "*bf16", "topk_weights_ptr": "*fp32",
     "sorted_slot_ptr": "*i32", "counts_ptr": "*i32", "starts_ptr": "*i32", "ends_ptr": "*i32", "num_experts": "i32",
-    "K": "i32", "N": "i32", "stride_am": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_se": "i64",
+    "K": "i32", "N": "i32", "stride_am": "i32", "stride_we": "i64", "stride_wt": "i32", "stride_se": "i64",
     "stride_sg": "i32", "stride_om": "i32", "part_ptr": "*fp32", "stride_ps": "i64",
 }
 
 
 SIGNATURE_GEMV = {
     "a_ptr": "*fp32", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "topk_ids_ptr": "*i32",
-    "topk_weights_ptr": "*fp32", "K": "i32", "N": "i32", "stride_am": "i32", "stride_we": "i64", "stride_wn": "i32",
+    "topk_weights_ptr": "*fp32", "K": "i32", "N": "i32", "stride_am": "i32", "stride_we": "i64", "stride_wt": "i32",
     "stride_se": "i64", "stride_sg": "i32", "stride_om": "i32",
 }
 

@@ -165,7 +165,9 @@ def variants(m: int, base: dict) -> list[tuple[str, int, dict, dict]]:
 
     if m <= 64:
         grid += [(1, _v(32)), (1, _v(64)), (1, _v(32, 32)), (1, _v(64, 32)), (1, _v(32, 64, 2)), (1, _v(64, 64, 8)),
-                 (1, _v(128, 64, 8)), (1, _v(128, 32, 4))]
+                 (1, _v(128, 64, 8)), (1, _v(128, 32, 4)),
+                 # Steps of one or two 1 KB blocks of the stored tiles (quant.tile_packed).
+                 (1, _v(32, 8)), (1, _v(32, 16)), (1, _v(64, 16)), (1, _v(128, 16)), (1, _v(64, 8, 2))]
     if m <= 8:
         grid += [(16, gu(_p(64, stages=3, split=2))), (16, gu(_p(64, stages=3))), (16, gu(_p(32, stages=3))),
                  (16, gu(_p(32, stages=3, split=2))), (16, gu(_p(64, bk=64))), (16, gu(_p(32, swap=True, stages=3))),

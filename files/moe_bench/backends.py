@@ -165,7 +165,7 @@ def gptq_qweight(linear: quant.PackedLinear) -> torch.Tensor:
         raise BackendUnavailable(f"Marlin needs the reduction size ({k}) to be a multiple of 8")
     words = []
     for expert in range(experts):  # one expert at a time keeps the int64 scratch small
-        unsigned = (quant.unpack_int4(linear.packed[expert]).to(torch.int64) + 8).view(k // 8, 8, -1)
+        unsigned = (quant.unpack_int4(linear.rows(expert)).to(torch.int64) + 8).view(k // 8, 8, -1)
         word = torch.zeros_like(unsigned[:, 0])
         for i in range(8):
             word |= unsigned[:, i] << (4 * i)

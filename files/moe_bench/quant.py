@@ -20,6 +20,19 @@ same dot product, as long as both operands use it).
 When K is not a multiple of 32, the last r = K mod 32 values form one shorter chunk, paired
 the same way (value j with value r / 2 + j). K is the GEMM's reduction size (hidden for w13,
 inter for w2), N its output size.
+
+In memory those rows are stored in tiles (`tile_packed`): 32 rows x 32 bytes (64 K values) per
+1 KB block, the blocks of a 32-row group in K order, the row groups one after the other; each
+row's bytes past K / 2 are padding up to a whole block (N is a multiple of 32 wherever the
+triton backend runs; other N are padded with rows too).
+
+  stored[e, n // 32, b // 32, n % 32, b % 32] = packed[e, n, b]     uint8 [E, N/32, KB, 32, 32]
+
+So a kernel step that reads 32-64 K values of many rows reads whole 1 KB blocks, not one
+32-byte piece from each of many rows: the L2 cache serves a request per 128-byte line, and
+with the rows one after the other every 32-byte piece was a request of its own (measured:
+L2 tag lookups at 85% of their peak at M=2048, the weights more than half of them;
+PERFORMANCE.md round 13).
 """
 
 from __future__ import annotations
@@ -68,21 +81,53 @@ def triton_shape_error(shape: MoEShape) -> str | None:
     return None
 
 
+ROW_TILE = 32  # rows per tile of the stored layout
+TILE_BYTES = 32  # bytes of a row per block (64 K values)
+
+
+def packed_blocks(k: int) -> int:
+    """Blocks of TILE_BYTES per row for reduction size k (the last one padded)."""
+    return -(-(k // 2) // TILE_BYTES)
+
+
+def tile_packed(rows: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n, k // 2] (one row per output column) -> the stored tiles
+    [..., ceil(n / 32), ceil(k / 64), 32, 32], padding zero."""
+    *lead, n, half = rows.shape
+    n_tiles, blocks = -(-n // ROW_TILE), -(-half // TILE_BYTES)
+    padded = rows.new_zeros((*lead, n_tiles * ROW_TILE, blocks * TILE_BYTES))
+    padded[..., :n, :half] = rows
+    tiles = padded.view(*lead, n_tiles, ROW_TILE, blocks, TILE_BYTES)
+    return tiles.transpose(-3, -2).contiguous()
+
+
+def untile_packed(stored: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of tile_packed: uint8 [..., n, k // 2]."""
+    *lead, n_tiles, blocks, _, _ = stored.shape
+    rows = stored.transpose(-3, -2).reshape(*lead, n_tiles * ROW_TILE, blocks * TILE_BYTES)
+    return rows[..., :n, : k // 2]
+
+
 @dataclass
 class PackedLinear:
     """One packed weight for all experts: GEMM of reduction size k, output size n."""
 
-    packed: torch.Tensor  # uint8 [E, n, k // 2]
+    packed: torch.Tensor  # uint8 [E, ceil(n / 32), ceil(k / 64), 32, 32]: tile_packed
     scales: torch.Tensor  # bf16  [E, k // group, n]
     group_size: int
 
     @property
     def k(self) -> int:
-        return self.packed.shape[2] * 2
+        return self.scales.shape[1] * self.group_size
 
     @property
     def n(self) -> int:
-        return self.packed.shape[1]
+        return self.scales.shape[2]
+
+    def rows(self, experts: int | torch.Tensor | None = None) -> torch.Tensor:
+        """The packed bytes one row per output column: uint8 [E', n, k // 2]."""
+        stored = self.packed if experts is None else self.packed[experts]
+        return untile_packed(stored, self.n, self.k)
 
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size() + self.scales.numel() * self.scales.element_size()
@@ -99,8 +144,9 @@ class MoEWeights:
 
 
 def packed_linear_bytes(experts: int, k: int, n: int, group_size: int) -> int:
-    """Device bytes of one PackedLinear, without allocating it."""
-    return experts * (k * n // 2 + (k // group_size) * n * 2)
+    """Device bytes of one PackedLinear (with the tiles' padding), without allocating it."""
+    stored = -(-n // ROW_TILE) * ROW_TILE * packed_blocks(k) * TILE_BYTES
+    return experts * (stored + (k // group_size) * n * 2)
 
 
 def weights_bytes(shape: MoEShape) -> int:
@@ -111,7 +157,8 @@ def weights_bytes(shape: MoEShape) -> int:
 
 def _random_packed_linear(experts: int, k: int, n: int, group_size: int, device, generator) -> PackedLinear:
     # Built in place in the final layout: peak device memory is the final weights alone.
-    packed = torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, device=device, generator=generator)
+    packed = torch.randint(0, 256, (experts, -(-n // ROW_TILE), packed_blocks(k), ROW_TILE, TILE_BYTES),
+                           dtype=torch.uint8, device=device, generator=generator)
     # Scales keep every output near unit variance for unit-variance inputs:
     # var(q) for q uniform on [-8, 7] is 21.25, so scale ~ 1 / sqrt(21.25 * k).
     base = 1.0 / math.sqrt(21.25 * k)
@@ -167,8 +214,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 def dequantize(linear: PackedLinear, experts: torch.Tensor | None = None, dtype=torch.float32) -> torch.Tensor:
     """W.T for the chosen experts (all when None): [E', k, n] in `dtype`."""
-    packed = linear.packed if experts is None else linear.packed[experts]
     scales = linear.scales if experts is None else linear.scales[experts]
-    q = unpack_int4(packed).to(dtype)
+    q = unpack_int4(linear.rows(experts)).to(dtype)
     s = scales.to(dtype).repeat_interleave(linear.group_size, dim=1)
     return q * s

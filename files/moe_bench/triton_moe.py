@@ -32,11 +32,12 @@ With split-K (small M) each GEMM tile is shared by several programs, each reduci
 K into float32 partials: GEMM1's are added by _silu_mul_kernel (the extra launch), which then
 applies SiLU-and-mul; GEMM2's are added by the top-k sum along with the slots.
 
-Weights are in the packed layout of quant.py: uint8 [E, N, K // 2], each output column's K
-values contiguous, and inside every 32-value chunk of K byte j holds value j (low nibble) and
-value 16 + j (high nibble). A step of the reduction loads a [BK / 2, BN] byte tile whose
-columns are whole 16-byte runs (wide loads into shared memory and out of it, straight into the
-tensor-core operand layout); its low nibbles are the first halves of the step's 32-value
+Weights are in the packed layout of quant.py: per output column its K values, two a byte,
+inside every 32-value chunk of K byte j holding value j (low nibble) and value 16 + j (high
+nibble); stored in tiles of 32 columns x 64 K values (1 KB, quant.tile_packed), so a step's
+pieces of neighbouring columns are neighbours in memory (_tile_offsets). A step of the
+reduction loads a [BK / 2, BN] byte tile whose columns are whole 16-byte runs (wide loads into
+shared memory and out of it, straight into the tensor-core operand layout); its low nibbles are the first halves of the step's 32-value
 chunks and its high nibbles the second halves, so each is one dot against the matching half
 of the activations (gathered with the same index pattern): no nibble is ever interleaved.
 A nibble u becomes a number without an integer conversion: written under the bf16 exponent of
@@ -252,6 +253,22 @@ def _scale_rows(s_ptrs, GROUPS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.c
 
 
 @triton.jit
+def _tile_offsets(rows, byte, stride_wt):
+    """Offsets of byte `byte` of packed row `rows` in the stored tiles (quant.tile_packed):
+    32 rows x 32 bytes per 1 KB block, blocks of a 32-row group in K order, stride_wt apart."""
+    return (rows // 32) * stride_wt + (byte // 32) * 1024 + (rows % 32) * 32 + byte % 32
+
+
+@triton.jit
+def _tile_shift(byte):
+    """What moves a step's pointers `byte` bytes further along every row: `byte` is a multiple
+    of 16 (steps are whole groups of at least 32 values) and of the step's width, so a step never
+    crosses a block's end. Written with the multiple of 16 spelled out: the compiler then knows
+    the pointers stay 16-byte aligned and keeps its wide asynchronous copies."""
+    return (byte // 32) * 1024 + (byte // 16 % 2) * 16
+
+
+@triton.jit
 def _gemm_step(a_ptrs, row_ok, w_ptrs, s_ptrs, acc, k0, stride_sg,
                GROUP: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, BLOCK_N: tl.constexpr,
                POST_SCALE: tl.constexpr, WHOLE_TILE: tl.constexpr, SWAP_AB: tl.constexpr,
@@ -268,7 +285,7 @@ def _gemm_step(a_ptrs, row_ok, w_ptrs, s_ptrs, acc, k0, stride_sg,
             k = k0 + gi * GROUP
             a_lo = tl.load(a_ptrs + k, mask=row_ok, other=0.0)
             a_hi = tl.load(a_ptrs + k + 16, mask=row_ok, other=0.0)
-            p = tl.load(w_ptrs + k // 2)
+            p = tl.load(w_ptrs + _tile_shift(k // 2))
             s = tl.load(s_ptrs + (g0 + gi) * stride_sg).to(tl.float32)
             if not POST_SCALE:
                 s = s[None, :]
@@ -276,17 +293,18 @@ def _gemm_step(a_ptrs, row_ok, w_ptrs, s_ptrs, acc, k0, stride_sg,
     else:
         a_lo = tl.load(a_ptrs + k0, mask=row_ok, other=0.0)
         a_hi = tl.load(a_ptrs + k0 + 16, mask=row_ok, other=0.0)
-        p = tl.load(w_ptrs + k0 // 2)
+        p = tl.load(w_ptrs + _tile_shift(k0 // 2))
         s = _scale_rows(s_ptrs + g0 * stride_sg, GROUPS_PER_STEP, GROUP, BLOCK_N)
         acc = _step(a_lo, a_hi, p, s, acc, POST_SCALE, SWAP_AB, CONVERT_ASM)
     return acc
 
 
 @triton.jit
-def _operand_ptrs(a_base, w_base, s_base, stride_wn, stride_sg, offs_n, GROUP: tl.constexpr, GROUPS_PER_STEP: tl.constexpr,
+def _operand_ptrs(a_base, w_base, s_base, stride_wt, stride_sg, offs_n, GROUP: tl.constexpr, GROUPS_PER_STEP: tl.constexpr,
                   BLOCK_N: tl.constexpr, POST_SCALE: tl.constexpr, WHOLE_TILE: tl.constexpr):
     """(a_ptrs, w_ptrs, s_ptrs) of a program's first step for _gemm_step. a_base: [BM, 1]
-    row starts; w_base / s_base: this expert's weights / scales."""
+    row starts; w_base / s_base: this expert's weights / scales; stride_wt: bytes per 32-row
+    group of the stored tiles (quant.tile_packed)."""
     if POST_SCALE or not WHOLE_TILE:
         BKH: tl.constexpr = GROUP // 2
     else:
@@ -294,7 +312,7 @@ def _operand_ptrs(a_base, w_base, s_base, stride_wn, stride_sg, offs_n, GROUP: t
     offs_j = tl.arange(0, BKH)
     k_lo = offs_j // 16 * 32 + offs_j % 16  # K index of each byte's low nibble
     a_ptrs = a_base + k_lo[None, :]
-    w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_j[:, None]
+    w_ptrs = w_base + _tile_offsets(offs_n[None, :], offs_j[:, None], stride_wt)
     if POST_SCALE or not WHOLE_TILE:
         s_ptrs = s_base + offs_n
     else:
@@ -317,7 +335,7 @@ def _gemm1_kernel(
     INTER,
     stride_xm,
     stride_we,
-    stride_wn,
+    stride_wt,
     stride_se,
     stride_sg,
     stride_om,
@@ -370,7 +388,7 @@ def _gemm1_kernel(
         cols = tl.where(offs_c < BLOCK_N, pid_n * BLOCK_N + offs_c, INTER + pid_n * BLOCK_N + offs_c - BLOCK_N)
         a_ptrs, w_ptrs, s_ptrs = _operand_ptrs(
             a_base, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
-            stride_wn, stride_sg, cols, GROUP, GROUPS_PER_STEP, 2 * BLOCK_N, POST_SCALE, WHOLE_TILE)
+            stride_wt, stride_sg, cols, GROUP, GROUPS_PER_STEP, 2 * BLOCK_N, POST_SCALE, WHOLE_TILE)
         if SWAP_AB:
             acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
@@ -389,8 +407,8 @@ def _gemm1_kernel(
     else:
         a_ptrs, wg_ptrs, sg_ptrs = _operand_ptrs(
             a_base, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
-            stride_wn, stride_sg, offs_n, GROUP, GROUPS_PER_STEP, BLOCK_N, POST_SCALE, WHOLE_TILE)
-        wu_ptrs = wg_ptrs + INTER * stride_wn
+            stride_wt, stride_sg, offs_n, GROUP, GROUPS_PER_STEP, BLOCK_N, POST_SCALE, WHOLE_TILE)
+        wu_ptrs = wg_ptrs + INTER // 32 * stride_wt  # INTER is a multiple of 32 (_check_shape)
         su_ptrs = sg_ptrs + INTER
         if SWAP_AB:
             gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -434,7 +452,7 @@ def _gemm2_kernel(
     N,
     stride_am,
     stride_we,
-    stride_wn,
+    stride_wt,
     stride_se,
     stride_sg,
     stride_om,
@@ -470,7 +488,7 @@ def _gemm2_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     a_ptrs, w_ptrs, s_ptrs = _operand_ptrs(
         a_ptr + a_rows[:, None] * stride_am, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
-        stride_wn, stride_sg, offs_n, GROUP, GROUPS_PER_STEP, BLOCK_N, POST_SCALE, WHOLE_TILE)
+        stride_wt, stride_sg, offs_n, GROUP, GROUPS_PER_STEP, BLOCK_N, POST_SCALE, WHOLE_TILE)
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -654,7 +672,7 @@ def _gemv_kernel(
     N,
     stride_am,
     stride_we,
-    stride_wn,
+    stride_wt,
     stride_se,
     stride_sg,
     stride_om,
@@ -672,8 +690,9 @@ def _gemv_kernel(
     the slot's token, w is w13, N = inter: the program dots gate columns n and up columns
     N + n and stores SiLU(gate) * up (rounded to INTER_DTYPE, the activations' dtype) at
     out[slot] in the same operand order for GEMM2 (BLOCK_N a multiple of 32). Otherwise (GEMM2): a's row is the slot, w is
-    w2: stores the result times the slot's top-k weight at out[slot]. w_ptr: the packed
-    weights viewed as uint32 words [E, N, K / 8] (strides in words)."""
+    w2: stores the result times the slot's top-k weight at out[slot]. w_ptr: the stored
+    tiles (quant.tile_packed) viewed as uint32 words, strides in words (stride_wt: per 32-row
+    group)."""
     pid = tl.program_id(0)
     num_n = N // BLOCK_N
     slot = pid // num_n
@@ -689,13 +708,17 @@ def _gemv_kernel(
     KW = K // 8
     CHUNKS: tl.constexpr = BLOCK_KW // 4
     offs_w = tl.arange(0, BLOCK_KW)
-    w_ptrs = w_ptr + expert * stride_we + cols[:, None] * stride_wn + offs_w[None, :]
+    # Word w of row n in the tiles: byte 4w of _tile_offsets, in words (8 words a row per block).
+    w_ptrs = (w_ptr + expert * stride_we + (cols // 32)[:, None] * stride_wt + (offs_w // 8)[None, :] * 256
+              + (cols % 32)[:, None] * 8 + (offs_w % 8)[None, :])
     a_ptrs = a_ptr + row * stride_am + offs_w[None, :]
     s_ptrs = s_ptr + expert * stride_se + cols[:, None]
     offs_ch = tl.arange(0, CHUNKS)
     acc = tl.zeros((cols.shape[0], CHUNKS), dtype=tl.float32)
     for kw in range(0, KW, BLOCK_KW):
-        w = tl.load(w_ptrs + kw).to(tl.uint32, bitcast=True)
+        # kw is a multiple of BLOCK_KW (a multiple of 4): a step never crosses a block's end,
+        # and the shift is a multiple of 4 words (16-byte loads).
+        w = tl.load(w_ptrs + (kw // 8) * 256 + (kw // 4 % 2) * 4).to(tl.uint32, bitcast=True)
         p = _word_dot(w, a_ptrs + kw, KW, CONVERT_ASM)
         chunk_sum = tl.sum(tl.reshape(p, (cols.shape[0], CHUNKS, 4)), axis=2)
         g = (kw * 8 + offs_ch * 32) // GROUP
@@ -741,12 +764,9 @@ def _gemv_kernel(
 # (TritonW4A16MoE._launch, moe_bench.sass), else serialised; the table's rows were timed in
 # the serialised form and then re-measured overlapped (rounds 9-11 of PERFORMANCE.md).
 TILE_TABLE: list[tuple[int, dict]] = [
-    (4, dict(block_m=1,
-         g1=dict(gemv=True, bn=32, bkw=64, warps=4, stages=1, asm=True),
-         g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True))),
     (64, dict(block_m=1,
          g1=dict(gemv=True, bn=32, bkw=64, warps=4, stages=1, asm=True),
-         g2=dict(gemv=True, bn=128, bkw=32, warps=4, stages=1, asm=True))),
+         g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True))),
     (1024, dict(block_m=32,
          g1=dict(bn=64, bk=128, warps=4, stages=3, post=False, whole=True, swap=True, split=1, asm=True, gu=True),
          g2=dict(bn=128, bk=64, warps=4, stages=4, post=False, whole=True, swap=True, split=1, asm=True))),
@@ -1111,7 +1131,7 @@ class TritonW4A16MoE:
         self._xw = xw
 
     def _packed_words(self, linear: quant.PackedLinear) -> torch.Tensor:
-        return linear.packed.view(torch.int32)  # [E, n, k / 8]: four bytes per word
+        return linear.packed.view(torch.int32)  # the stored tiles, four bytes per word
 
     def gemv1(self, x: torch.Tensor, g1: dict) -> None:
         """One-row kernels, step 2: SiLU(x @ gate) * (x @ up) per slot, into the float32

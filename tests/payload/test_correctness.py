@@ -64,7 +64,7 @@ def test_quantized_weights_round_trip_through_the_packed_layout():
 
 
 def test_packed_layout_pairs_value_j_with_value_16_plus_j_of_each_chunk():
-    """The layout the Triton kernels read: [E, N, K / 2], byte 16c + j = (q[32c + j] + 8) |
+    """The packed rows (before tile_packed): [E, N, K / 2], byte 16c + j = (q[32c + j] + 8) |
     (q[32c + 16 + j] + 8) << 4; a shorter last chunk of r values pairs j with r / 2 + j."""
     k, n = 72, 3
     q = (torch.arange(k * n).reshape(k, n) % 16 - 8).to(torch.int8)
@@ -79,6 +79,38 @@ def test_packed_layout_pairs_value_j_with_value_16_plus_j_of_each_chunk():
         for j in range(4):  # the last chunk: 8 values, value j with value 4 + j
             byte = int(packed[col, 32 + j])
             assert (byte & 0xF, byte >> 4) == (int(q[64 + j, col]) + 8, int(q[68 + j, col]) + 8)
+
+
+def test_stored_tiles_hold_32_rows_of_64_values_per_1kb_block():
+    """The layout in memory (quant.tile_packed): row n's byte b at [n // 32, b // 32, n % 32,
+    b % 32]; rows past N and bytes past K / 2 are zero padding; untile_packed undoes it."""
+    k, n = 96, 40  # K / 2 = 48 bytes: one whole block and half of one; one whole row group and 8 rows
+    rows = torch.randint(0, 256, (2, n, k // 2), dtype=torch.uint8)
+    stored = quant.tile_packed(rows)
+    assert stored.shape == (2, 2, 2, 32, 32) and stored.is_contiguous()
+    row = torch.arange(n)[:, None].expand(n, k // 2)
+    byte = torch.arange(k // 2)[None, :].expand(n, k // 2)
+    for e in range(2):
+        assert torch.equal(stored[e, row // 32, byte // 32, row % 32, byte % 32], rows[e])
+    assert torch.equal(quant.untile_packed(stored, n, k), rows)
+    assert int(stored[:, 1, :, 8:, :].sum()) == 0  # rows 40-63
+    assert int(stored[:, :, 1, :, 16:].sum()) == 0  # bytes 48-63
+    # One block is 1 KB of contiguous memory: 32 rows of 32 bytes.
+    assert stored.stride()[-3:] == (1024, 32, 1)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_random_weights_are_stored_in_the_tiles_the_estimate_counts(name):
+    shape = SHAPES[name]
+    weights = quant.random_weights(shape, "cpu", seed=2)
+    for linear, k, n in ((weights.w13, shape.hidden, 2 * shape.inter), (weights.w2, shape.inter, shape.hidden)):
+        assert (linear.k, linear.n) == (k, n)
+        assert linear.packed.shape == (shape.experts, -(-n // 32), -(-k // 64), 32, 32)
+        rows = linear.rows()
+        assert rows.shape == (shape.experts, n, k // 2)
+        assert torch.equal(linear.rows(1), rows[1])
+        assert torch.equal(quant.tile_packed(rows)[..., : k // 2 % 32 or 32], linear.packed[..., : k // 2 % 32 or 32])
+    assert weights.nbytes() == quant.weights_bytes(shape)
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
@@ -276,7 +308,7 @@ def test_gptq_conversion_keeps_every_int4_value():
     as_unsigned = words.to(torch.int64) & 0xFFFFFFFF
     nibbles = torch.stack([(as_unsigned >> (4 * i)) & 0xF for i in range(8)], dim=2)  # [E, K/8, 8, N]
     q = nibbles.reshape(2, 64, 64) - 8
-    assert torch.equal(q.to(torch.int8), quant.unpack_int4(weights.w13.packed))
+    assert torch.equal(q.to(torch.int8), quant.unpack_int4(weights.w13.rows()))
 
 
 def test_marlin_adapter_refuses_without_its_package():
