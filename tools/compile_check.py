@@ -54,7 +54,7 @@ SIGNATURE_2 = {
 
 SIGNATURE_GEMV = {
     "a_ptr": "*fp32", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "topk_ids_ptr": "*i32",
-    "topk_weights_ptr": "*fp32", "K": "i32", "N": "i32", "stride_am": "i32", "stride_we": "i64", "stride_wt": "i32",
+    "topk_weights_ptr": "*fp32", "order_ptr": "*i32", "K": "i32", "N": "i32", "stride_am": "i32", "stride_we": "i64", "stride_wt": "i32",
     "stride_se": "i64", "stride_sg": "i32", "stride_om": "i32",
 }
 
@@ -63,7 +63,8 @@ def compile_gemv(which: int, g: dict, group: int = 32):
     """The one-row kernel as GEMM1 (gate/up, float32 intermediate out) or GEMM2."""
     signature = dict(SIGNATURE_GEMV, out_ptr="*fp32" if which == 1 else "*bf16")
     constants = dict(TOPK=8, GROUP=group, BLOCK_N=g["bn"], BLOCK_KW=g["bkw"], GATE_UP=which == 1,
-                     CONVERT_ASM=bool(g.get("asm", False)), INTER_DTYPE=tm.tl.bfloat16)
+                     CONVERT_ASM=bool(g.get("asm", False)), INTER_DTYPE=tm.tl.bfloat16,
+                     BY_EXPERT=bool(g.get("sort", False)))
     for name in constants:
         signature[name] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind != "constexpr"}

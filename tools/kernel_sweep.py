@@ -146,9 +146,9 @@ def _d(bn, bk=128, warps=4, stages=3, swap=False, whole=True):
     return dict(bn=bn, bk=bk, warps=warps, stages=stages, post=False, whole=whole, swap=swap, split=1, asm=True)
 
 
-def _v(bn, bkw=64, warps=4):
-    """One-row (CUDA-core) kernel options; block_m 1."""
-    return dict(gemv=True, bn=bn, bkw=bkw, warps=warps, stages=1, asm=True)
+def _v(bn, bkw=64, warps=4, sort=False):
+    """One-row (CUDA-core) kernel options; block_m 1; sort: the slots taken grouped by expert."""
+    return dict(gemv=True, bn=bn, bkw=bkw, warps=warps, stages=1, asm=True, sort=sort)
 
 
 def variants(m: int, base: dict) -> list[tuple[str, int, dict, dict]]:
@@ -167,7 +167,10 @@ def variants(m: int, base: dict) -> list[tuple[str, int, dict, dict]]:
         grid += [(1, _v(32)), (1, _v(64)), (1, _v(32, 32)), (1, _v(64, 32)), (1, _v(32, 64, 2)), (1, _v(64, 64, 8)),
                  (1, _v(128, 64, 8)), (1, _v(128, 32, 4)),
                  # Steps of one or two 1 KB blocks of the stored tiles (quant.tile_packed).
-                 (1, _v(32, 8)), (1, _v(32, 16)), (1, _v(64, 16)), (1, _v(128, 16)), (1, _v(64, 8, 2))]
+                 (1, _v(32, 8)), (1, _v(32, 16)), (1, _v(64, 16)), (1, _v(128, 16)), (1, _v(64, 8, 2)),
+                 # The slots grouped by expert: an expert's slots run side by side.
+                 (1, _v(32, sort=True)), (1, _v(64, sort=True)), (1, _v(32, 32, sort=True)),
+                 (1, _v(64, 32, sort=True)), (1, _v(128, 64, 8, sort=True))]
     if m <= 8:
         grid += [(16, gu(_p(64, stages=3, split=2))), (16, gu(_p(64, stages=3))), (16, gu(_p(32, stages=3))),
                  (16, gu(_p(32, stages=3, split=2))), (16, gu(_p(64, bk=64))), (16, gu(_p(32, swap=True, stages=3))),
@@ -192,7 +195,7 @@ def variants(m: int, base: dict) -> list[tuple[str, int, dict, dict]]:
                   (64, gu(_d(64, 64, 8, 3, swap=True)), _d(256, 32, 8, 4, swap=True))]
     for bm, g in grid:
         if g.get("gemv"):
-            out.append((f"gemv:{g['bn']}/{g['bkw']}/{g['warps']}w", bm, g, g))
+            out.append((f"gemv:{g['bn']}/{g['bkw']}/{g['warps']}w" + ("/sort" if g.get("sort") else ""), bm, g, g))
             continue
         out.append((f"bm{bm}:{tag(g)}" + (f"k{g['split']}" if g.get("split", 1) > 1 else ""), bm, g, g))
     for bm, g1, g2 in pairs:
@@ -292,7 +295,7 @@ def variant_sweep(args) -> int:
                 gemv = bool(g1.get("gemv"))
                 for inst, (xs, idss, ws) in zip(instances, sets):
                     if gemv:  # the one-row kernels' first step stands where the alignment does
-                        inst.word_order(xs, idss)
+                        inst.word_order(xs, idss, by_expert=g1.get("sort", False))
                     else:
                         inst.align(idss, bm)
 

@@ -7,10 +7,13 @@ Few tokens (rows with block_m 1): one-row kernels on the CUDA cores, three launc
 top-k sum. With a few tokens almost every (token, expert) slot is the only row of its expert,
 so a tensor-core tile of at least 16 rows would be mostly padding:
   1. _word_order_kernel: x's rows as float32 in the order the nibbles of a packed word come
-     out in, with a per-word bias (see _store_word_order).
-  2. _gemv_kernel (GATE_UP): one slot (its expert read from topk_ids: no sorting) x a tile of
-     gate and up columns, dotted in float32 over all of K; SiLU(gate) * up, rounded to the
-     activations' dtype, stored per slot in the same operand order.
+     out in, with a per-word bias (see _store_word_order). Rows with `sort` also group the
+     slots by expert (_align_kernel and _scatter_kernel below, without padding).
+  2. _gemv_kernel (GATE_UP): one slot (its expert read from topk_ids) x a tile of gate and up
+     columns, dotted in float32 over all of K; SiLU(gate) * up, rounded to the activations'
+     dtype, stored per slot in the same operand order. The programs take the slots in token
+     order, or grouped by expert (`sort`: an expert's slots run side by side, so its weights
+     come from DRAM once).
   3. _gemv_kernel: the intermediate against w2, times the slot's top-k weight, per slot.
 
 More tokens: tensor-core kernels, five launches (six when GEMM1 is split along K):
@@ -561,7 +564,7 @@ def _silu_mul_kernel(part_ptr, out_ptr, counts_ptr, starts_ptr, ends_ptr, num_ex
 # With a few tokens almost every (token, expert) slot is the only row of its expert, so a
 # tensor-core tile of at least 16 rows is mostly padding and the work per weight (unpack,
 # scale, operand shuffles) decides the speed. These kernels take one slot per program row,
-# straight from topk_ids (no alignment, no sorting): a program is one slot x BLOCK_N columns,
+# its expert straight from topk_ids (no padded blocks): a program is one slot x BLOCK_N columns,
 # each thread dots whole 32-value chunks of its columns against the slot's activations in
 # float32. A 32-bit word of packed weights is 8 nibbles; each is masked into the mantissa of
 # a float32 (bits 16-19 under the exponent of 128 read as 128 + u, bits 12-15 under the
@@ -668,6 +671,7 @@ def _gemv_kernel(
     out_ptr,
     topk_ids_ptr,
     topk_weights_ptr,
+    order_ptr,
     K,
     N,
     stride_am,
@@ -683,6 +687,7 @@ def _gemv_kernel(
     GATE_UP: tl.constexpr,
     CONVERT_ASM: tl.constexpr,
     INTER_DTYPE: tl.constexpr,
+    BY_EXPERT: tl.constexpr,
 ):
     """One slot x BLOCK_N output columns, reduced over all of K.
 
@@ -692,10 +697,15 @@ def _gemv_kernel(
     out[slot] in the same operand order for GEMM2 (BLOCK_N a multiple of 32). Otherwise (GEMM2): a's row is the slot, w is
     w2: stores the result times the slot's top-k weight at out[slot]. w_ptr: the stored
     tiles (quant.tile_packed) viewed as uint32 words, strides in words (stride_wt: per 32-row
-    group)."""
+    group). BY_EXPERT: the programs take the slots in the order of order_ptr (the slots
+    grouped by expert, _scatter_kernel), so the slots that share an expert run side by side
+    and its weights are read from DRAM once; otherwise in their own order."""
     pid = tl.program_id(0)
     num_n = N // BLOCK_N
-    slot = pid // num_n
+    if BY_EXPERT:
+        slot = tl.load(order_ptr + pid // num_n)
+    else:
+        slot = pid // num_n
     pid_n = pid % num_n
     expert = tl.load(topk_ids_ptr + slot).to(tl.int64)
     if GATE_UP:
@@ -756,7 +766,9 @@ def _gemv_kernel(
 #   gu     (GEMM1) gate and up tiles as one [.., 2 * bn] operand, one dot per step.
 # Rows with block_m 1 and `gemv` in both GEMMs run the one-row kernels instead (_gemv_kernel:
 # bn output columns per program, GEMM1's gate and up each; bkw 32-bit words of packed weights
-# per column and step, a multiple of 4: whole 32-value chunks; warps).
+# per column and step, a multiple of 4: whole 32-value chunks; warps; sort (GEMM1's entry
+# decides for both): the programs take the slots grouped by expert, worth its two extra
+# launches once slots start to share experts).
 # Chosen on one H200 at the kimi-k2.6 shape with `tools/kernel_sweep.py --variants` (every
 # candidate checked against the float32 reference, then each GEMM timed alone; per M the
 # block size whose best GEMM1 + best GEMM2 is smallest). PERFORMANCE.md has the sweeps.
@@ -764,9 +776,15 @@ def _gemv_kernel(
 # (TritonW4A16MoE._launch, moe_bench.sass), else serialised; the table's rows were timed in
 # the serialised form and then re-measured overlapped (rounds 9-11 of PERFORMANCE.md).
 TILE_TABLE: list[tuple[int, dict]] = [
-    (64, dict(block_m=1,
+    (4, dict(block_m=1,
          g1=dict(gemv=True, bn=32, bkw=64, warps=4, stages=1, asm=True),
          g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True))),
+    (16, dict(block_m=1,
+         g1=dict(gemv=True, bn=32, bkw=64, warps=4, stages=1, asm=True, sort=True),
+         g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True, sort=True))),
+    (64, dict(block_m=1,
+         g1=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True, sort=True),
+         g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True, sort=True))),
     (1024, dict(block_m=32,
          g1=dict(bn=64, bk=128, warps=4, stages=3, post=False, whole=True, swap=True, split=1, asm=True, gu=True),
          g2=dict(bn=128, bk=64, warps=4, stages=4, post=False, whole=True, swap=True, split=1, asm=True))),
@@ -1017,7 +1035,7 @@ class TritonW4A16MoE:
         topk_weights = topk_weights.to(torch.float32).contiguous()
         cfg = _config_for(self.shape, m, self.table)
         if cfg["g1"].get("gemv"):
-            self.word_order(x, topk_ids)
+            self.word_order(x, topk_ids, by_expert=cfg["g1"].get("sort", False))
             self.gemv1(x, cfg["g1"])
             self.gemv2(x, topk_weights, cfg["g2"])
         else:
@@ -1045,8 +1063,18 @@ class TritonW4A16MoE:
         slots = topk_ids.numel()
         self._m = slots // shape.topk
         padded = _padded_rows(shape, self._m, block_m)
-        if padded > self._max_padded or block_m < 16:
-            raise ValueError(f"block_m={block_m} at M={self._m} needs more workspace than was allocated")
+        if block_m < 16:
+            raise ValueError(f"block_m={block_m}: the tensor-core kernels take blocks of at least 16 rows")
+        self._group_slots(topk_ids, block_m)
+        self._blocks_now = triton.cdiv(padded, block_m)
+
+    def _group_slots(self, topk_ids: torch.Tensor, block_m: int) -> None:
+        """The slots grouped by expert into self._sorted_slot, each expert's range padded to a
+        multiple of block_m (1: no padding), with the per-expert counts, starts and ends."""
+        shape = self.shape
+        slots = topk_ids.numel()
+        if _padded_rows(shape, slots // shape.topk, block_m) > self._max_padded:
+            raise ValueError(f"block_m={block_m} at M={slots // shape.topk} needs more workspace than was allocated")
         _align_kernel[(1,)](
             topk_ids, slots, shape.experts, self._counts, self._starts, self._ends, self._cursor,
             BLOCK_M=block_m, NUM_BINS=self._num_bins, CHUNK=1024, num_warps=8,
@@ -1054,7 +1082,6 @@ class TritonW4A16MoE:
         _scatter_kernel[(triton.cdiv(slots, 1024),)](
             topk_ids, slots, self._cursor, self._sorted_slot, BLOCK=1024, num_warps=4,
         )
-        self._blocks_now = triton.cdiv(padded, block_m)
 
     def gemm1(self, x: torch.Tensor, block_m: int, g1: dict) -> None:
         """SiLU(x @ gate) * (x @ up) per sorted row, into the intermediate buffer."""
@@ -1116,12 +1143,16 @@ class TritonW4A16MoE:
 
         self.last_gemm2 = self._launch("g2", block_m, g2, shape.inter, launch)
 
-    def word_order(self, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    def word_order(self, x: torch.Tensor, topk_ids: torch.Tensor, by_expert: bool = False) -> None:
         """One-row kernels, step 1: x's rows as float32 in their operand order (and the slots'
-        experts for the next two steps; no alignment or sorting)."""
+        experts for the next two steps). by_expert (the table's `sort`): also group the slots
+        by expert (no padding), the order the next two steps take them in."""
         shape = self.shape
         self._m = x.shape[0]
         self._ids = topk_ids
+        self._by_expert = bool(by_expert)
+        if self._by_expert:
+            self._group_slots(topk_ids, 1)
         kw = shape.hidden // 8
         xw = self._partial("xw", _word_order_elems(shape, self._m)[0]).view(-1)[: self._m * 9 * kw].view(self._m, 9 * kw)
         chunks = _largest_dividing(32, shape.hidden // 32, 1)
@@ -1143,11 +1174,11 @@ class TritonW4A16MoE:
         words = self._packed_words(self.weights.w13)
         scales = self.weights.w13.scales
         self.last_gemm1 = _gemv_kernel[(slots * (shape.inter // g1["bn"]),)](
-            self._xw, words, scales, hw, self._ids, self._ids,
+            self._xw, words, scales, hw, self._ids, self._ids, self._sorted_slot,
             shape.hidden, shape.inter, self._xw.stride(0), words.stride(0), words.stride(1), scales.stride(0),
             scales.stride(1), hw.stride(0),
             TOPK=shape.topk, GROUP=shape.group_size, BLOCK_N=g1["bn"], BLOCK_KW=g1["bkw"], GATE_UP=True,
-            CONVERT_ASM=_asm_enabled(g1), INTER_DTYPE=_TL_DTYPES[x.dtype],
+            CONVERT_ASM=_asm_enabled(g1), INTER_DTYPE=_TL_DTYPES[x.dtype], BY_EXPERT=self._by_expert,
             num_warps=g1["warps"], num_stages=g1.get("stages", 1),
         )
         self._hw = hw
@@ -1162,11 +1193,11 @@ class TritonW4A16MoE:
         scales = self.weights.w2.scales
         self._g2_split = 1
         self.last_gemm2 = _gemv_kernel[(slots * (shape.hidden // g2["bn"]),)](
-            self._hw, words, scales, slot_buf, self._ids, topk_weights,
+            self._hw, words, scales, slot_buf, self._ids, topk_weights, self._sorted_slot,
             shape.inter, shape.hidden, self._hw.stride(0), words.stride(0), words.stride(1), scales.stride(0),
             scales.stride(1), slot_buf.stride(0),
             TOPK=shape.topk, GROUP=shape.group_size, BLOCK_N=g2["bn"], BLOCK_KW=g2["bkw"], GATE_UP=False,
-            CONVERT_ASM=_asm_enabled(g2), INTER_DTYPE=_TL_DTYPES[x.dtype],
+            CONVERT_ASM=_asm_enabled(g2), INTER_DTYPE=_TL_DTYPES[x.dtype], BY_EXPERT=self._by_expert,
             num_warps=g2["warps"], num_stages=g2.get("stages", 1),
         )
 
