@@ -3,8 +3,8 @@
 Two paths, picked per M by TILE_TABLE; both have shapes fixed by M (CUDA-graph capturable: no
 host synchronisation, no data-dependent shapes; programs past the rows in use exit at once).
 
-Few tokens (rows with block_m 1): one-row kernels on the CUDA cores, three launches plus the
-top-k sum. With a few tokens almost every (token, expert) slot is the only row of its expert,
+Few tokens (rows with block_m 1): one-row kernels on the CUDA cores, three launches (five
+with `sort`) plus the top-k sum. With a few tokens almost every (token, expert) slot is the only row of its expert,
 so a tensor-core tile of at least 16 rows would be mostly padding:
   1. _word_order_kernel: x's rows as float32 in the order the nibbles of a packed word come
      out in, with a per-word bias (see _store_word_order). Rows with `sort` also group the
