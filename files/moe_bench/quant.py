@@ -85,16 +85,17 @@ ROW_TILE = 32  # rows per tile of the stored layout
 TILE_BYTES = 32  # bytes of a row per block (64 K values)
 
 
-def packed_blocks(k: int) -> int:
-    """Blocks of TILE_BYTES per row for reduction size k (the last one padded)."""
-    return -(-(k // 2) // TILE_BYTES)
+def stored_shape(n: int, k: int) -> tuple[int, int, int, int]:
+    """One expert's stored tiles for output size n, reduction size k:
+    (ceil(n / 32), ceil(k / 64), 32, 32), the last row group and block padded."""
+    return -(-n // ROW_TILE), -(-(k // 2) // TILE_BYTES), ROW_TILE, TILE_BYTES
 
 
 def tile_packed(rows: torch.Tensor) -> torch.Tensor:
     """uint8 [..., n, k // 2] (one row per output column) -> the stored tiles
     [..., ceil(n / 32), ceil(k / 64), 32, 32], padding zero."""
     *lead, n, half = rows.shape
-    n_tiles, blocks = -(-n // ROW_TILE), -(-half // TILE_BYTES)
+    n_tiles, blocks, _, _ = stored_shape(n, 2 * half)
     padded = rows.new_zeros((*lead, n_tiles * ROW_TILE, blocks * TILE_BYTES))
     padded[..., :n, :half] = rows
     tiles = padded.view(*lead, n_tiles, ROW_TILE, blocks, TILE_BYTES)
@@ -145,8 +146,7 @@ class MoEWeights:
 
 def packed_linear_bytes(experts: int, k: int, n: int, group_size: int) -> int:
     """Device bytes of one PackedLinear (with the tiles' padding), without allocating it."""
-    stored = -(-n // ROW_TILE) * ROW_TILE * packed_blocks(k) * TILE_BYTES
-    return experts * (stored + (k // group_size) * n * 2)
+    return experts * (math.prod(stored_shape(n, k)) + (k // group_size) * n * 2)
 
 
 def weights_bytes(shape: MoEShape) -> int:
@@ -157,8 +157,8 @@ def weights_bytes(shape: MoEShape) -> int:
 
 def _random_packed_linear(experts: int, k: int, n: int, group_size: int, device, generator) -> PackedLinear:
     # Built in place in the final layout: peak device memory is the final weights alone.
-    packed = torch.randint(0, 256, (experts, -(-n // ROW_TILE), packed_blocks(k), ROW_TILE, TILE_BYTES),
-                           dtype=torch.uint8, device=device, generator=generator)
+    packed = torch.randint(0, 256, (experts, *stored_shape(n, k)), dtype=torch.uint8, device=device,
+                           generator=generator)
     # Scales keep every output near unit variance for unit-variance inputs:
     # var(q) for q uniform on [-8, 7] is 21.25, so scale ~ 1 / sqrt(21.25 * k).
     base = 1.0 / math.sqrt(21.25 * k)

@@ -719,6 +719,8 @@ def _gemv_kernel(
     CHUNKS: tl.constexpr = BLOCK_KW // 4
     offs_w = tl.arange(0, BLOCK_KW)
     # Word w of row n in the tiles: byte 4w of _tile_offsets, in words (8 words a row per block).
+    # Written out in words: the same arithmetic through _tile_offsets / _tile_shift with a word
+    # unit ran 17-37% slower on the H200 (PERFORMANCE.md round 14).
     w_ptrs = (w_ptr + expert * stride_we + (cols // 32)[:, None] * stride_wt + (offs_w // 8)[None, :] * 256
               + (cols % 32)[:, None] * 8 + (offs_w % 8)[None, :])
     a_ptrs = a_ptr + row * stride_am + offs_w[None, :]
@@ -781,10 +783,10 @@ TILE_TABLE: list[tuple[int, dict]] = [
          g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True))),
     (16, dict(block_m=1,
          g1=dict(gemv=True, bn=32, bkw=64, warps=4, stages=1, asm=True, sort=True),
-         g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True, sort=True))),
+         g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True))),
     (64, dict(block_m=1,
          g1=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True, sort=True),
-         g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True, sort=True))),
+         g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True))),
     (1024, dict(block_m=32,
          g1=dict(bn=64, bk=128, warps=4, stages=3, post=False, whole=True, swap=True, split=1, asm=True, gu=True),
          g2=dict(bn=128, bk=64, warps=4, stages=4, post=False, whole=True, swap=True, split=1, asm=True))),
