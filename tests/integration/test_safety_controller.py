@@ -7,11 +7,6 @@ import time
 
 from conftest import LONG_M_LIST, STATE_DIR, fetched_run_dirs, wait_until
 
-# A payload that runs for a few seconds on the CPU, so it can be interrupted mid-run: the CPU
-# harness spends at most a fraction of a second per M, so the length comes from the number of M
-# values (up to 512 alone it ran to its end in 0.9 s on a fast machine).
-MID_RUN_M_LIST = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192,16384"
-
 
 def job_record(host):
     (run_id,) = host.run_ids()
@@ -36,7 +31,7 @@ def payload_outlived_controller(host, run_id):
         return True
     document = host.read_json("%s/runs/%s/results.json" % (STATE_DIR, run_id))
     return bool(document) and document.get("status") == "complete" and \
-        len(document.get("results", [])) == len(MID_RUN_M_LIST.split(","))
+        len(document.get("results", [])) == len(LONG_M_LIST.split(","))
 
 
 def assert_reattached_and_recovered(host, run, results_dir, run_id, jid, since_epoch):
@@ -57,14 +52,14 @@ def assert_reattached_and_recovered(host, run, results_dir, run_id, jid, since_e
     assert fetched in fetched_run_dirs(results_dir, host), fetched_run_dirs(results_dir, host)
     results = json.loads((fetched / "results.json").read_text())
     assert results["status"] == "complete", results["status"]
-    assert [row["m"] for row in results["results"]] == [int(m) for m in MID_RUN_M_LIST.split(",")]
+    assert [row["m"] for row in results["results"]] == [int(m) for m in LONG_M_LIST.split(",")]
     log = (fetched / "bench.log").read_text()
     assert log.count("[moe_bench] starting:") == 1, log
 
 
 def test_killed_controller_rerun_reattaches_to_the_same_job(simhost, start_playbook, run_playbook, results_dir):
     since = simhost.epoch()
-    first = start_playbook(simhost, {"moe_bench_m_list": MID_RUN_M_LIST})
+    first = start_playbook(simhost, {"moe_bench_m_list": LONG_M_LIST})
     run_id, job = wait_for_job(simhost)
     first.kill_controller()
     # The benchmark runs on without its controller; the unit stays stopped.
@@ -75,7 +70,7 @@ def test_killed_controller_rerun_reattaches_to_the_same_job(simhost, start_playb
     assert simhost.unit_active() in ("inactive", "failed")
     assert simhost.timer_loaded(), "no dead-man timer armed while the service is down"
 
-    second = run_playbook(simhost, {"moe_bench_m_list": MID_RUN_M_LIST})
+    second = run_playbook(simhost, {"moe_bench_m_list": LONG_M_LIST})
     assert_reattached_and_recovered(simhost, second, results_dir, run_id, job["jid"], since)
 
 
@@ -112,7 +107,7 @@ def test_controller_that_never_returns_is_covered_by_the_deadman_timer(simhost, 
 def test_connection_cut_mid_run_job_continues_and_next_run_recovers(simhost, start_playbook, run_playbook,
                                                                     results_dir):
     since = simhost.epoch()
-    first = start_playbook(simhost, {"moe_bench_m_list": MID_RUN_M_LIST})
+    first = start_playbook(simhost, {"moe_bench_m_list": LONG_M_LIST})
     run_id, job = wait_for_job(simhost)
     first.wait_for_output(r"Wait for the benchmark to finish", timeout=120)
     # Cut every SSH session for a few seconds while the controller polls.
@@ -138,7 +133,7 @@ def test_connection_cut_mid_run_job_continues_and_next_run_recovers(simhost, sta
         the_job_ran_to_completion()
         return
     # The first controller gave up (host unreachable): the next run re-attaches and recovers.
-    second = run_playbook(simhost, {"moe_bench_m_list": MID_RUN_M_LIST})
+    second = run_playbook(simhost, {"moe_bench_m_list": LONG_M_LIST})
     assert second.rc == 0, second.describe()
     state = simhost.unit_show()
     assert state["ActiveState"] == "active", state
