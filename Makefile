@@ -14,7 +14,7 @@ demo: venv host-up
 
 ## test: the whole suite (lint, unit, payload, Molecule, integration), then one summary line
 test: venv host-image
-	@rm -rf .cache/junit-*.xml .cache/molecule-recap.txt
+	@mkdir -p .cache && rm -rf .cache/junit-*.xml .cache/molecule-recap.txt .cache/lint.txt && touch .cache/test-run-started
 	@status=0; for target in lint unit payload-test molecule integration; do \
 		$(MAKE) --no-print-directory $$target || status=1; \
 	done; \

@@ -85,6 +85,21 @@ options:
     description: Lines of C(journalctl -u <unit>) returned when the unit is dead.
     type: int
     default: 30
+  wait_s:
+    description:
+      - Long poll - keep checking about once a second for up to this many seconds and return as
+        soon as the unit is ready or dead, so a task that loops with C(until) notices the change
+        within a second instead of at its next poll. V(0) checks once.
+    type: float
+    default: 0
+  settle_s:
+    description:
+      - Once ready, the unit must stay ready this many seconds (health answering, C(MainPID) and
+        C(NRestarts) unchanged) before RV(ready) is returned; a unit that answers and then dies
+        or is restarted within that time is RV(dead), the reason naming what changed.
+      - Healthy for a moment is not back. V(0) returns at the first healthy answer.
+    type: float
+    default: 0
 notes:
   - Requests go straight to the service, never through an HTTP proxy.
   - Supports check mode (it only reads).
@@ -153,6 +168,14 @@ journal_tail:
   description: The last O(journal_lines) lines of the unit's journal when dead, else an empty string.
   returned: always
   type: str
+settled_s:
+  description: Seconds the unit stayed ready during the settle period (null when O(settle_s) is 0 or it never became ready).
+  returned: always
+  type: float
+checks:
+  description: How many checks this call made (more than one with O(wait_s) or O(settle_s)).
+  returned: always
+  type: int
 """
 
 import json
@@ -173,10 +196,10 @@ _BODY_EXCERPT = 200
 class Redactor(object):
     """Removes secrets (the token, secret-looking header values) from any text returned."""
 
-    def __init__(self, token, headers):
+    def __init__(self, token, headers, every_header=False):
         secrets = [token] if token else []
         for name, value in (headers or {}).items():
-            if any(word in name.lower() for word in _SECRET_HEADER_WORDS) and value:
+            if (every_header or any(word in name.lower() for word in _SECRET_HEADER_WORDS)) and value:
                 secrets.append(str(value))
         # Longest first, so a secret containing another is removed whole.
         self.secrets = sorted(set(secret for secret in secrets if secret), key=len, reverse=True)
@@ -297,51 +320,21 @@ def check_completion(params, headers, redact):
     return outcome
 
 
-def main():
-    module = AnsibleModule(
-        argument_spec=dict(
-            unit=dict(type="str", required=True),
-            url=dict(type="str"),
-            headers=dict(type="dict", default={}),
-            token=dict(type="str", no_log=True),
-            expected_status=dict(type="list", elements="int", default=[200]),
-            timeout=dict(type="float", default=5),
-            validate_certs=dict(type="bool", default=True),
-            baseline_restarts=dict(type="int"),
-            expect_running=dict(type="bool", default=True),
-            completion=dict(type="dict", options=dict(
-                url=dict(type="str"),
-                model=dict(type="str"),
-                prompt=dict(type="str", default="Hello"),
-                max_tokens=dict(type="int", default=1),
-            )),
-            journal_lines=dict(type="int", default=30),
-        ),
-        supports_check_mode=True,
-    )
-    params = module.params
-    unit = params["unit"]
-    redact = Redactor(params["token"], params["headers"])
-
-    for name, url in (("url", params["url"]), ("completion.url", (params["completion"] or {}).get("url"))):
-        if url and urlsplit(url).scheme not in ("http", "https"):
-            module.fail_json(msg="%s must be an http:// or https:// URL, got %s" % (name, redact(url)))
-    if params["timeout"] <= 0:
-        module.fail_json(msg="timeout must be more than 0 seconds, got %s" % params["timeout"])
-
+def read_unit(module, unit, redact):
     systemctl = module.get_bin_path("systemctl", required=True)
     argv = [systemctl, "show", unit, "--property=" + ",".join(UNIT_PROPERTIES)]
     rc, stdout, stderr = module.run_command(argv, environ_update={"LC_ALL": "C"})
     if rc != 0:
         module.fail_json(msg=redact("could not read the state of unit %s: systemctl show exited %d: %s" % (
             unit, rc, (stderr or stdout).strip())), rc=rc)
-    state = parse_systemctl_show(stdout)
-    dead, reason = judge_unit(unit, state, params["baseline_restarts"], params["expect_running"])
+    return parse_systemctl_show(stdout)
 
-    headers = dict((str(name), str(value)) for name, value in params["headers"].items())
-    if params["token"]:
-        headers["Authorization"] = "Bearer " + params["token"]
 
+def check_once(module, params, headers, redact, baseline_restarts):
+    """One look at the unit and its health URL: a dict of ready, dead, reason, state, health, completion."""
+    unit = params["unit"]
+    state = read_unit(module, unit, redact)
+    dead, reason = judge_unit(unit, state, baseline_restarts, params["expect_running"])
     health = None
     completion = None
     if params["url"] and state["LoadState"] != "not-found":
@@ -366,9 +359,92 @@ def main():
         if completion is not None and not completion["ok"]:
             waiting_for.append("completion: %s" % completion["error"])
         reason = "not ready yet: " + "; ".join(waiting_for)
+    return {"ready": ready, "dead": dead, "reason": reason, "state": state, "health": health,
+            "completion": completion}
 
+
+def settle(module, params, headers, redact, first):
+    """Watch a ready unit for settle_s seconds; the first check that is not ready with the same
+    MainPID and NRestarts makes it dead. Returns (check, settled seconds)."""
+    unit = params["unit"]
+    pid, restarts = first["state"]["MainPID"], first["state"]["NRestarts"]
+    started = time.monotonic()
+    check = first
+    while time.monotonic() - started < params["settle_s"]:
+        time.sleep(min(1.0, max(0.0, params["settle_s"] - (time.monotonic() - started))))
+        check = check_once(module, params, headers, redact, restarts)
+        now_pid, now_restarts = check["state"]["MainPID"], check["state"]["NRestarts"]
+        if check["ready"] and now_pid == pid and now_restarts == restarts:
+            continue
+        elapsed = time.monotonic() - started
+        what = check["reason"] if not check["ready"] else "its process changed"
+        check["ready"] = False
+        check["dead"] = True
+        check["reason"] = (
+            "unit %s answered healthy, then did not stay healthy for the settle period of %g s: after %.1f s %s "
+            "(MainPID %s -> %s, NRestarts %s -> %s): it is crash-looping or was restarted"
+            % (unit, params["settle_s"], elapsed, what, pid, now_pid, restarts, now_restarts))
+        return check, round(elapsed, 1)
+    return check, round(time.monotonic() - started, 1)
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=dict(
+            unit=dict(type="str", required=True),
+            url=dict(type="str"),
+            headers=dict(type="dict", default={}, no_log=True),
+            token=dict(type="str", no_log=True),
+            expected_status=dict(type="list", elements="int", default=[200]),
+            timeout=dict(type="float", default=5),
+            validate_certs=dict(type="bool", default=True),
+            baseline_restarts=dict(type="int"),
+            expect_running=dict(type="bool", default=True),
+            completion=dict(type="dict", options=dict(
+                url=dict(type="str"),
+                model=dict(type="str"),
+                prompt=dict(type="str", default="Hello"),
+                max_tokens=dict(type="int", default=1),
+            )),
+            journal_lines=dict(type="int", default=30),
+            wait_s=dict(type="float", default=0),
+            settle_s=dict(type="float", default=0),
+        ),
+        supports_check_mode=True,
+    )
+    params = module.params
+    unit = params["unit"]
+    # Every header value is treated as a secret: an API key can sit under any header name.
+    redact = Redactor(params["token"], params["headers"], every_header=True)
+
+    for name, url in (("url", params["url"]), ("completion.url", (params["completion"] or {}).get("url"))):
+        if url and urlsplit(url).scheme not in ("http", "https"):
+            module.fail_json(msg="%s must be an http:// or https:// URL, got %s" % (name, redact(url)))
+    if params["timeout"] <= 0:
+        module.fail_json(msg="timeout must be more than 0 seconds, got %s" % params["timeout"])
+    for name in ("wait_s", "settle_s"):
+        if params[name] < 0:
+            module.fail_json(msg="%s must be 0 or more seconds, got %s" % (name, params[name]))
+
+    headers = dict((str(name), str(value)) for name, value in params["headers"].items())
+    if params["token"]:
+        headers["Authorization"] = "Bearer " + params["token"]
+
+    started = time.monotonic()
+    checks = 1
+    check = check_once(module, params, headers, redact, params["baseline_restarts"])
+    while not (check["ready"] or check["dead"]) and time.monotonic() - started + 1.0 <= params["wait_s"]:
+        time.sleep(1.0)
+        checks += 1
+        check = check_once(module, params, headers, redact, params["baseline_restarts"])
+    settled_s = None
+    if check["ready"] and params["settle_s"] > 0:
+        check, settled_s = settle(module, params, headers, redact, check)
+        checks += 1
+
+    state = check["state"]
     journal_tail = ""
-    if dead and state["LoadState"] != "not-found":
+    if check["dead"] and state["LoadState"] != "not-found":
         journalctl = module.get_bin_path("journalctl")
         if journalctl:
             rc, stdout, stderr = module.run_command(
@@ -379,13 +455,15 @@ def main():
 
     module.exit_json(
         changed=False,
-        ready=ready,
-        dead=dead,
-        reason=redact(reason),
+        ready=check["ready"],
+        dead=check["dead"],
+        reason=redact(check["reason"]),
         unit_state=dict((key, redact(value) if isinstance(value, str) else value) for key, value in state.items()),
-        health=health,
-        completion=completion,
+        health=check["health"],
+        completion=check["completion"],
         journal_tail=redact(journal_tail),
+        settled_s=settled_s,
+        checks=checks,
     )
 
 

@@ -114,6 +114,9 @@ def build_report(
         generated_at=generated_at,
     )
     schema.atomic_write_text(run_dir / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+    if not manifest["validity"]["valid"]:
+        # Never a baseline for a later run, never reported as complete.
+        status = "invalid"
 
     summary_md_path = run_dir / "summary.md"
     entry = {

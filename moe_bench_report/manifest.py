@@ -146,6 +146,18 @@ def timeline(given: dict) -> dict:
     }
 
 
+def validity(given: dict) -> dict:
+    """Whether the figures of a run can be trusted. A run during which the host's dead-man timer
+    fired had the unit started beside (or before the end of) the benchmark: its figures shared
+    the GPU with the model's load, so they are kept but marked invalid."""
+    reasons = []
+    fired = given.get("deadman_fired")
+    if fired is True or str(fired).lower() == "true":
+        reasons.append("the dead-man timer fired during the run and started the unit itself "
+                       "(the benchmark may have shared the GPU with the model's load)")
+    return {"valid": not reasons, "reasons": reasons}
+
+
 def sha256_of(path: Path) -> str | None:
     if not path.is_file():
         return None
@@ -201,6 +213,7 @@ def build_manifest(
             "schema_version": document.get("schema_version"),
         },
         "timeline": timeline(given),
+        "validity": validity(given),
         "launch": launch,
         "maintenance_window": given.get("maintenance_window") if isinstance(given.get("maintenance_window"), dict) else None,
         "plan": plan,

@@ -102,6 +102,9 @@ def markdown(summary: dict) -> str:
     regression = summary["regression"]
     knee = summary["knee"]
     lines = [f"# MoE benchmark on {summary['host']}, run {summary['run_id']}", ""]
+    if not manifest["validity"]["valid"]:
+        lines += [f"> **INVALID: {'; '.join(manifest['validity']['reasons'])}. The figures below are kept "
+                  "for the record only.**", ""]
     if regression["regressed"]:
         lines += [f"> **{regression_sentence(regression)}**", ""]
     lines += [
@@ -215,6 +218,8 @@ def console_lines(summary: dict) -> list[str]:
         f"{summary['host']} run {summary['run_id']}: {summary['status']}, {manifest['gpu']['name'] or 'no GPU name'}, "
         f"{config_label(summary['config_key'])}",
     ]
+    if not manifest["validity"]["valid"]:
+        lines.append(f"INVALID: {'; '.join(manifest['validity']['reasons'])}")
     if summary.get("error"):
         lines.append(f"payload error ({summary['error']['kind']}): {summary['error']['message']}")
     if summary.get("load_error"):
@@ -242,6 +247,7 @@ def headline(summary: dict) -> dict:
     return {
         "run_id": summary["run_id"],
         "status": summary["status"],
+        "valid": summary["manifest"]["validity"]["valid"],
         "gpu": summary["manifest"]["gpu"]["name"],
         "backend": summary["config_key"].get("backend"),
         "config": config_label(summary["config_key"]),

@@ -12,14 +12,26 @@ description:
     poll loop, the planned downtime, the dead-man delay and the lock's time to live.
   - Raises a clear error for a missing, non-numeric, non-positive or inconsistent value, so a bad
     input stops the play before any host is touched.
-  - Companion filters - C(moe_bench_m_list) (validate an M list given as a list or C("1,2,4")) and
-    C(moe_bench_run_id) (a run id C(YYYYmmddTHHMMSSZ-xxxxxx) for a given epoch).
+  - The dead-man deadline (deadman_delay_s) covers the longest legitimate run - the unit's real stop
+    (the longer of the configured stop timeout and the unit's own TimeoutStopSec, plus the stop
+    margin), every memory wait, the benchmark's async limit and one poll to notice its end, the load
+    budget and one health poll, the settle period - plus the dead-man margin.
+  - Companion filters - C(moe_bench_m_list) (validate an M list given as a list or C("1,2,4")),
+    C(moe_bench_run_id) (a run id C(YYYYmmddTHHMMSSZ-xxxxxx) for a given epoch), C(moe_bench_check)
+    (the refusal message of a plan or M list, empty when valid), C(moe_bench_timespan_s) (a systemd
+    timespan in seconds).
 options:
   _input:
     description:
       - The budgets, in seconds - bench_budget_s, async_margin_s, poll_interval_s, stop_timeout_s,
         load_budget_s, health_poll_s, vram_wait_s, vram_interval_s, deadman_margin_s, lock_ttl_margin_s.
+      - Optional - stop_margin_s (default 0), unit_stop_timeout_s (the unit's own TimeoutStopSec as
+        read on the host, a systemd timespan such as C(1min 30s) or seconds; C(infinity) or absent
+        means the configured stop timeout alone), settle_s (default 0), vram_waits (how many memory
+        waits the run may make, 2 when leftovers may be killed and the memory waited for again;
+        default 1).
       - The margins may be 0, every other value must be more than 0. Numeric strings are accepted.
+      - Errors name the variable the operator sets (C(moe_bench_bench_budget_s), not C(bench_budget_s)).
     type: dict
     required: true
   now_epoch:
@@ -44,8 +56,9 @@ RETURN = r"""
 _value:
   description:
     - run_id, started_at (ISO 8601, UTC), started_epoch, every input as given (normalised to int or float),
-      async_limit_s, poll_retries, health_retries, vram_retries, vram_timeout_s, planned_downtime_s,
-      deadman_delay_s, lock_ttl_s.
+      async_limit_s, poll_retries, health_retries, vram_retries, stop_s (the stop timeout in force),
+      stop_corrected_from_unit (the unit's TimeoutStopSec was longer than the configured one),
+      stop_wait_s, planned_downtime_s, deadman_delay_s, lock_ttl_s.
   type: dict
 """
 
@@ -61,15 +74,40 @@ BUDGET_KEYS = (
     "bench_budget_s", "async_margin_s", "poll_interval_s", "stop_timeout_s", "load_budget_s",
     "health_poll_s", "vram_wait_s", "vram_interval_s", "deadman_margin_s", "lock_ttl_margin_s",
 )
-MARGIN_KEYS = ("async_margin_s", "deadman_margin_s", "lock_ttl_margin_s")
+MARGIN_KEYS = ("async_margin_s", "deadman_margin_s", "lock_ttl_margin_s", "stop_margin_s", "settle_s")
+# Optional keys and their defaults.
+OPTIONAL_KEYS = {"stop_margin_s": 0, "settle_s": 0, "vram_waits": 1}
+# The variable an operator sets for each key: every refusal names it as the operator writes it.
+VARIABLE_OF = {
+    "bench_budget_s": "moe_bench_bench_budget_s",
+    "async_margin_s": "moe_bench_async_margin_s",
+    "poll_interval_s": "moe_bench_bench_poll_s",
+    "stop_timeout_s": "moe_bench_stop_timeout_s",
+    "stop_margin_s": "moe_bench_stop_margin_s",
+    "load_budget_s": "moe_bench_load_budget_s",
+    "health_poll_s": "moe_bench_health_poll_s",
+    "vram_wait_s": "moe_bench_vram_timeout_s",
+    "vram_interval_s": "moe_bench_vram_interval_s",
+    "deadman_margin_s": "moe_bench_deadman_margin_s",
+    "lock_ttl_margin_s": "moe_bench_lock_ttl_margin_s",
+    "settle_s": "moe_bench_health_settle_s",
+    "vram_waits": "vram_waits",
+    "unit_stop_timeout_s": "the unit's TimeoutStopSec",
+}
+TIMESPAN_UNITS = {"us": 1e-6, "usec": 1e-6, "ms": 1e-3, "msec": 1e-3, "s": 1, "sec": 1, "min": 60,
+                  "h": 3600, "hr": 3600, "d": 86400, "w": 604800}
 M_MAX = 65536
 RUN_ID_PATTERN = re.compile(r"^\d{8}T\d{6}Z-[0-9a-f]{6}$")
+
+
+def _name(key):
+    return VARIABLE_OF.get(key, key)
 
 
 def _number(key, value):
     """int or float from an int, float or numeric string; AnsibleFilterError otherwise."""
     if isinstance(value, bool):
-        raise AnsibleFilterError("moe_bench_plan: %s must be a number of seconds, got %r" % (key, value))
+        raise AnsibleFilterError("%s must be a number of seconds, got %r" % (_name(key), value))
     if isinstance(value, (int, float)):
         number = value
     else:
@@ -81,10 +119,10 @@ def _number(key, value):
                 number = float(text)
             except ValueError:
                 raise AnsibleFilterError(
-                    "moe_bench_plan: %s must be a number of seconds, got %r" % (key, value)) from None
+                    "%s must be a number of seconds, got %r" % (_name(key), value)) from None
     if isinstance(number, float):
         if math.isnan(number) or math.isinf(number):
-            raise AnsibleFilterError("moe_bench_plan: %s must be a finite number of seconds, got %r" % (key, value))
+            raise AnsibleFilterError("%s must be a finite number of seconds, got %r" % (_name(key), value))
         if number.is_integer():
             number = int(number)
     return number
@@ -93,6 +131,29 @@ def _number(key, value):
 def _retries(total_s, interval_s):
     """Retries of an until loop polling every interval_s that must cover total_s (one more for the edge)."""
     return int(math.ceil(float(total_s) / interval_s)) + 1
+
+
+def moe_bench_timespan_s(value):
+    """Seconds of a systemd timespan as `systemctl show` prints it ("1min 30s", "90s", "500ms",
+    "infinity") or a number of seconds; None for infinity or an empty value."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    text = str(value).strip()
+    if text in ("", "infinity"):
+        return None
+    if re.match(r"^[0-9.]+$", text):
+        return _number("timespan", text)
+    parts = re.findall(r"([0-9.]+)\s*([a-z]+)", text)
+    if not parts or re.sub(r"[0-9.]+\s*[a-z]+", "", text).strip():
+        raise AnsibleFilterError("moe_bench_timespan_s: %r is not a systemd timespan" % (value,))
+    total = 0.0
+    for amount, unit in parts:
+        if unit not in TIMESPAN_UNITS:
+            raise AnsibleFilterError("moe_bench_timespan_s: unknown unit %r in %r" % (unit, value))
+        total += float(amount) * TIMESPAN_UNITS[unit]
+    return int(total) if float(total).is_integer() else total
 
 
 def moe_bench_retries(total_s, interval_s):
@@ -120,13 +181,20 @@ def moe_bench_plan(settings, now_epoch=None):
         raise AnsibleFilterError("moe_bench_plan: expects a dict of budgets, got %s" % type(settings).__name__)
     missing = [key for key in BUDGET_KEYS if settings.get(key) in (None, "")]
     if missing:
-        raise AnsibleFilterError("moe_bench_plan: missing budget(s): %s" % ", ".join(missing))
+        raise AnsibleFilterError("missing budget(s): %s" % ", ".join(_name(key) for key in missing))
     value = dict((key, _number(key, settings[key])) for key in BUDGET_KEYS)
-    for key in BUDGET_KEYS:
+    for key, default in OPTIONAL_KEYS.items():
+        given = settings.get(key)
+        value[key] = default if given in (None, "") else _number(key, given)
+    for key in BUDGET_KEYS + tuple(OPTIONAL_KEYS):
         if key in MARGIN_KEYS and value[key] < 0:
-            raise AnsibleFilterError("moe_bench_plan: %s must be 0 or more seconds, got %s" % (key, value[key]))
+            raise AnsibleFilterError("%s must be 0 or more seconds, got %s" % (_name(key), value[key]))
         if key not in MARGIN_KEYS and value[key] <= 0:
-            raise AnsibleFilterError("moe_bench_plan: %s must be more than 0 seconds, got %s" % (key, value[key]))
+            raise AnsibleFilterError("%s must be more than 0 seconds, got %s" % (_name(key), value[key]))
+    try:
+        unit_stop_s = moe_bench_timespan_s(settings.get("unit_stop_timeout_s"))
+    except AnsibleFilterError as error:
+        raise AnsibleFilterError("the unit's TimeoutStopSec cannot be read: %s" % error) from None
 
     async_limit_s = int(math.ceil(value["bench_budget_s"] + value["async_margin_s"]))
     inconsistencies = [
@@ -137,13 +205,26 @@ def moe_bench_plan(settings, now_epoch=None):
     for name, interval, budget_name, budget in inconsistencies:
         if interval > budget:
             raise AnsibleFilterError(
-                "moe_bench_plan: %s (%s s) is longer than %s (%s s): the first poll would come after the deadline"
-                % (name, interval, budget_name, budget))
+                "%s (%s s) is longer than %s (%s s): the first poll would come after the deadline"
+                % (_name(name), interval, _name(budget_name), budget))
 
+    # The stop really lasts as long as the unit's own TimeoutStopSec allows, whatever the
+    # configured stop timeout says: the longer of the two is the one in force.
+    stop_s = value["stop_timeout_s"]
+    corrected = unit_stop_s is not None and unit_stop_s > stop_s
+    if corrected:
+        stop_s = unit_stop_s
+    stop_wait_s = int(math.ceil(stop_s + value["stop_margin_s"]))
     epoch = time.time() if now_epoch is None else float(_number("now_epoch", now_epoch))
+    # Downtime: from the stop to the first healthy answer, each part at its limit.
     planned_downtime_s = int(math.ceil(
-        value["stop_timeout_s"] + value["vram_wait_s"] + async_limit_s + value["load_budget_s"]))
-    deadman_delay_s = int(math.ceil(planned_downtime_s + value["deadman_margin_s"]))
+        stop_wait_s
+        + value["vram_wait_s"] * value["vram_waits"]
+        + async_limit_s + value["poll_interval_s"]
+        + value["load_budget_s"] + value["health_poll_s"]))
+    # The dead-man switch must never fire inside a legitimate run: the settle period after the
+    # first healthy answer still belongs to the run.
+    deadman_delay_s = int(math.ceil(planned_downtime_s + value["settle_s"] + value["deadman_margin_s"]))
     plan = dict(value)
     plan.update({
         "run_id": moe_bench_run_id(epoch),
@@ -153,11 +234,60 @@ def moe_bench_plan(settings, now_epoch=None):
         "poll_retries": _retries(async_limit_s, value["poll_interval_s"]),
         "health_retries": _retries(value["load_budget_s"], value["health_poll_s"]),
         "vram_retries": _retries(value["vram_wait_s"], value["vram_interval_s"]),
+        "unit_stop_timeout_s": unit_stop_s,
+        "stop_s": stop_s,
+        "stop_corrected_from_unit": corrected,
+        "stop_wait_s": stop_wait_s,
         "planned_downtime_s": planned_downtime_s,
         "deadman_delay_s": deadman_delay_s,
         "lock_ttl_s": int(math.ceil(deadman_delay_s + value["lock_ttl_margin_s"])),
     })
     return plan
+
+
+# Folders the system owns whose every direct child is the system's too: a dedicated payload or
+# state folder never is one of them, nor one of their children (/etc/foo, /usr/local, /var/lib).
+SYSTEM_PARENTS = ("/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media",
+                  "/mnt", "/proc", "/run", "/sbin", "/sys", "/usr", "/var")
+
+
+def moe_bench_folder(path):
+    """A dedicated host folder (payload, state): absolute, normalised, and neither /, a top-level
+    folder, nor a direct child of one of the system's own folders. Returns the normalised path."""
+    if not isinstance(path, str) or not path.strip():
+        raise AnsibleFilterError("must be an absolute path, got %r" % (path,))
+    text = path.strip()
+    if not text.startswith("/"):
+        raise AnsibleFilterError("must be an absolute path, got %r (relative to what on the host?)" % (text,))
+    if ".." in text.split("/"):
+        raise AnsibleFilterError("must not contain '..', got %r" % (text,))
+    normal = "/" + "/".join(part for part in text.split("/") if part not in ("", "."))
+    depth = normal.count("/") if normal != "/" else 0
+    if depth <= 1:
+        raise AnsibleFilterError(
+            "%r is %s, not a dedicated folder: the payload is copied into it and the run state kept there; "
+            "use a folder of its own such as /opt/moe-bench or /var/lib/moe-bench"
+            % (text, "the root folder" if depth == 0 else "a top-level folder of the system"))
+    parent = normal.rsplit("/", 1)[0]
+    if depth == 2 and parent in SYSTEM_PARENTS:
+        raise AnsibleFilterError(
+            "%r is a folder of the system's own (a direct child of %s), not a dedicated folder; "
+            "use a folder of its own such as /opt/moe-bench or /var/lib/moe-bench" % (text, parent))
+    return normal
+
+
+def moe_bench_check(value, what="plan"):
+    """The refusal message for a plan's budgets (what='plan'), an M list (what='m_list') or a
+    dedicated host folder (what='folder'), or an empty string when the input is valid: lets a
+    task fail with a message of its own."""
+    check = {"plan": moe_bench_plan, "m_list": moe_bench_m_list, "folder": moe_bench_folder}.get(what)
+    if check is None:
+        raise AnsibleFilterError("moe_bench_check: what must be plan, m_list or folder, got %r" % (what,))
+    try:
+        check(value)
+    except AnsibleFilterError as error:
+        return str(error.message if hasattr(error, "message") else error)
+    return ""
 
 
 def moe_bench_m_list(value):
@@ -204,4 +334,7 @@ class FilterModule(object):
             "moe_bench_m_list": moe_bench_m_list,
             "moe_bench_run_id": moe_bench_run_id,
             "moe_bench_retries": moe_bench_retries,
+            "moe_bench_check": moe_bench_check,
+            "moe_bench_folder": moe_bench_folder,
+            "moe_bench_timespan_s": moe_bench_timespan_s,
         }

@@ -54,6 +54,8 @@ FAST_VARS = {
     "moe_bench_m_list": "1,2,4,8",
     "moe_bench_load_budget_s": 60,
     "moe_bench_health_poll_s": 1,
+    # The settle period is exercised by its own test; elsewhere a short one keeps runs fast.
+    "moe_bench_health_settle_s": 2,
     "moe_bench_stop_margin_s": 15,
     "moe_bench_vram_timeout_s": 10,
     "moe_bench_vram_interval_s": 1,

@@ -34,14 +34,70 @@ def test_plan_arithmetic():
     assert result["poll_retries"] == 73          # ceil(720 / 10) + 1
     assert result["health_retries"] == 61        # ceil(900 / 15) + 1
     assert result["vram_retries"] == 25          # ceil(120 / 5) + 1
-    assert result["planned_downtime_s"] == 90 + 120 + 720 + 900
-    assert result["deadman_delay_s"] == 1830 + 600
-    assert result["lock_ttl_s"] == 2430 + 300
+    # stop 90 + memory 120 + async limit 720 + one bench poll 10 + load 900 + one health poll 15
+    assert result["planned_downtime_s"] == 90 + 120 + 720 + 10 + 900 + 15
+    assert result["deadman_delay_s"] == 1855 + 600
+    assert result["lock_ttl_s"] == 2455 + 300
+    assert result["stop_s"] == 90 and result["stop_wait_s"] == 90
+    assert result["stop_corrected_from_unit"] is False
     assert result["started_at"] == "2026-11-29T18:00:00Z"
     assert result["started_epoch"] == NOW
     assert re.match(r"^20261129T180000Z-[0-9a-f]{6}$", result["run_id"])
     for key, value in SETTINGS.items():
         assert result[key] == value
+
+
+def test_deadline_covers_the_longest_legitimate_run():
+    # A unit whose own TimeoutStopSec (5 min) is longer than the configured stop timeout (90 s),
+    # a 30 s stop margin, leftovers killed (two memory waits), a 30 s settle period.
+    result = plan(unit_stop_timeout_s="5min", stop_margin_s=30, vram_waits=2, settle_s=30)
+    assert result["stop_corrected_from_unit"] is True
+    assert result["stop_s"] == 300 and result["stop_wait_s"] == 330
+    longest_run = (300 + 30) + 2 * 120 + (600 + 120) + 10 + 900 + 15 + 30
+    assert result["deadman_delay_s"] == longest_run + 600
+    # Every part at its limit still ends before the timer (the margin 0 is the tightest case).
+    tight = plan(unit_stop_timeout_s="5min", stop_margin_s=30, vram_waits=2, settle_s=30, deadman_margin_s=0)
+    assert tight["deadman_delay_s"] >= longest_run
+
+
+@pytest.mark.parametrize("timespan, seconds", [
+    ("1min 30s", 90), ("90s", 90), ("500ms", 0.5), ("2h", 7200), ("1h 1min 1s", 3661), ("45", 45),
+    ("infinity", None), ("", None), (None, None), (30, 30),
+])
+def test_timespan_as_systemctl_show_prints_it(timespan, seconds):
+    assert filters.moe_bench_timespan_s(timespan) == seconds
+
+
+def test_unit_stop_timeout_shorter_than_configured_changes_nothing():
+    result = plan(unit_stop_timeout_s="30s")
+    assert result["stop_s"] == 90 and result["stop_corrected_from_unit"] is False
+    assert plan(unit_stop_timeout_s="infinity")["stop_s"] == 90
+
+
+@pytest.mark.parametrize("path", ["/", "/etc", "/usr", "/var", "/opt", "/home", "/root", "/tmp", "/etc/moe",
+                                  "/usr/local", "/var/lib", "/var/log", "/home/alice", "relative/dir", "opt/x",
+                                  "/opt/../etc", "", "//etc/"])
+def test_folder_refuses_system_and_relative_paths(path):
+    message = filters.moe_bench_check(path, "folder")
+    assert message, path
+    with pytest.raises(AnsibleFilterError):
+        filters.moe_bench_folder(path)
+
+
+@pytest.mark.parametrize("path, normal", [("/opt/moe-bench", "/opt/moe-bench"), ("/var/lib/moe-bench/", "/var/lib/moe-bench"),
+                                          ("/srv/bench", "/srv/bench"), ("/root/moe-bench", "/root/moe-bench"),
+                                          ("/data//bench/./x", "/data/bench/x")])
+def test_folder_accepts_dedicated_folders(path, normal):
+    assert filters.moe_bench_check(path, "folder") == ""
+    assert filters.moe_bench_folder(path) == normal
+
+
+def test_check_returns_the_refusal_or_nothing():
+    assert filters.moe_bench_check(dict(SETTINGS), "plan") == ""
+    assert filters.moe_bench_check(dict(SETTINGS, bench_budget_s=0), "plan") == \
+        "moe_bench_bench_budget_s must be more than 0 seconds, got 0"
+    assert filters.moe_bench_check("1,2", "m_list") == ""
+    assert "not a whole number" in filters.moe_bench_check("1,two", "m_list")
 
 
 def test_plan_rounds_up_and_accepts_strings():
@@ -66,27 +122,31 @@ def test_run_ids_differ_between_plans():
     assert plan()["run_id"] != plan()["run_id"]
 
 
+# Every refusal names the variable as the operator writes it (moe_bench_bench_poll_s, not
+# poll_interval_s): the message is matched whole-word, so the plan's own key would not pass.
 @pytest.mark.parametrize("changes, message", [
-    ({"bench_budget_s": 0}, "bench_budget_s must be more than 0 seconds, got 0"),
-    ({"poll_interval_s": -5}, "poll_interval_s must be more than 0 seconds, got -5"),
-    ({"async_margin_s": -1}, "async_margin_s must be 0 or more seconds, got -1"),
-    ({"load_budget_s": "ten"}, "load_budget_s must be a number of seconds, got 'ten'"),
-    ({"vram_wait_s": True}, "vram_wait_s must be a number of seconds, got True"),
-    ({"stop_timeout_s": "nan"}, "stop_timeout_s must be a finite number of seconds"),
-    ({"health_poll_s": None}, "missing budget(s): health_poll_s"),
-    ({"poll_interval_s": 601}, "poll_interval_s (601 s) is longer than bench_budget_s (600 s): the first poll "
-                               "would come after the deadline"),
-    ({"health_poll_s": 1000}, "health_poll_s (1000 s) is longer than load_budget_s (900 s)"),
-    ({"vram_interval_s": 200}, "vram_interval_s (200 s) is longer than vram_wait_s (120 s)"),
+    ({"bench_budget_s": 0}, "moe_bench_bench_budget_s must be more than 0 seconds, got 0"),
+    ({"poll_interval_s": -5}, "moe_bench_bench_poll_s must be more than 0 seconds, got -5"),
+    ({"async_margin_s": -1}, "moe_bench_async_margin_s must be 0 or more seconds, got -1"),
+    ({"load_budget_s": "ten"}, "moe_bench_load_budget_s must be a number of seconds, got 'ten'"),
+    ({"vram_wait_s": True}, "moe_bench_vram_timeout_s must be a number of seconds, got True"),
+    ({"stop_timeout_s": "nan"}, "moe_bench_stop_timeout_s must be a finite number of seconds"),
+    ({"health_poll_s": None}, "missing budget(s): moe_bench_health_poll_s"),
+    ({"poll_interval_s": 601}, "moe_bench_bench_poll_s (601 s) is longer than moe_bench_bench_budget_s (600 s): "
+                               "the first poll would come after the deadline"),
+    ({"health_poll_s": 1000}, "moe_bench_health_poll_s (1000 s) is longer than moe_bench_load_budget_s (900 s)"),
+    ({"vram_interval_s": 200}, "moe_bench_vram_interval_s (200 s) is longer than moe_bench_vram_timeout_s (120 s)"),
+    ({"settle_s": -1}, "moe_bench_health_settle_s must be 0 or more seconds, got -1"),
+    ({"unit_stop_timeout_s": "soon"}, "the unit's TimeoutStopSec cannot be read"),
 ])
 def test_plan_rejects_bad_values(changes, message):
     with pytest.raises(AnsibleFilterError) as raised:
         plan(**changes)
-    assert message in str(raised.value)
+    assert re.search(r"(^|[^\w])" + re.escape(message), str(raised.value)), str(raised.value)
 
 
 def test_plan_reports_all_missing_keys():
-    with pytest.raises(AnsibleFilterError, match="missing budget\\(s\\): bench_budget_s, .*lock_ttl_margin_s"):
+    with pytest.raises(AnsibleFilterError, match="missing budget\\(s\\): moe_bench_bench_budget_s, .*moe_bench_lock_ttl_margin_s"):
         filters.moe_bench_plan({}, NOW)
     with pytest.raises(AnsibleFilterError, match="expects a dict of budgets, got list"):
         filters.moe_bench_plan([1, 2], NOW)
