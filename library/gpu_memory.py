@@ -138,6 +138,10 @@ holders_table:
   description: The processes holding memory on the chosen GPUs as a fixed-width text table.
   returned: success or timeout
   type: str
+gpus_table:
+  description: The chosen GPUs' memory (used, free, total MiB) as a fixed-width text table, C([N/A]) where unreadable.
+  returned: success or timeout
+  type: str
 """
 
 import os
@@ -214,6 +218,18 @@ def blocking_reasons(gpus, processes, max_used_mib, min_free_mib, max_processes)
     if max_processes is not None and len(processes) > max_processes:
         reasons.append("%d process(es) hold GPU memory, at most %d allowed" % (len(processes), max_processes))
     return reasons
+
+
+def gpus_table(gpus):
+    """Fixed-width table of the chosen GPUs' memory; [N/A] where nvidia-smi could not read it."""
+    header = ("GPU", "NAME", "USED MiB", "FREE MiB", "TOTAL MiB")
+    rows = [header]
+    for gpu in gpus:
+        rows.append((str(gpu["index"]), gpu.get("name") or "?",
+                     *("[N/A]" if gpu.get(key) is None else str(gpu[key]) for key in ("used_mib", "free_mib", "total_mib"))))
+    widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(widths[i]) if i == 1 else cell.rjust(widths[i]) for i, cell in enumerate(row)).rstrip()
+                     for row in rows)
 
 
 def holders_table(processes):
@@ -348,6 +364,7 @@ def main():
         waited_s=round(waited, 1),
         checks=checks,
         holders_table=holders_table(processes),
+        gpus_table=gpus_table(gpus),
     )
     if reasons and params["timeout"] > 0:
         module.fail_json(

@@ -245,3 +245,18 @@ def test_fake_gpu_hold_holds_until_stopped(gpu_host):
     while gpu_host.smi("--query-gpu=memory.used", "--format=csv,noheader,nounits").split() != ["0", "0"]:
         assert time.time() < deadline
         time.sleep(0.1)
+
+
+def test_unreadable_fields_print_n_a_like_the_real_driver(gpu_host):
+    gpu_host.init(2)
+    gpu_host.holder(0, 1000)
+    gpu_host.run_fake_gpu("unreadable", "--gpus", "0", "--fields", "memory.used,memory.free,used_memory")
+    lines = gpu_host.smi("--query-gpu=index,memory.total,memory.used,memory.free",
+                         "--format=csv,noheader,nounits").splitlines()
+    assert lines[0] == "0, 143771, [N/A], [N/A]"
+    assert re.match(r"^1, 143771, 0, \d+$", lines[1]), lines
+    apps = gpu_host.smi("--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits").splitlines()
+    assert apps and apps[0].endswith(", [N/A]"), apps
+    # And back: an empty field list makes every field readable again.
+    gpu_host.run_fake_gpu("unreadable", "--gpus", "0", "--fields", "")
+    assert "[N/A]" not in gpu_host.smi("--query-gpu=index,memory.used", "--format=csv,noheader,nounits")

@@ -194,6 +194,18 @@ def init(count, name, total_mib, reserved_mib, path=None):
         _write_state(fresh, path)
 
 
+def set_unreadable(gpus, fields, path=None):
+    """Make nvidia-smi print [N/A] for these query fields of these GPUs (an empty list: none)."""
+    with locked_state(path) as state:
+        known = {g["index"] for g in state["gpus"]}
+        missing = sorted(set(gpus) - known)
+        if missing:
+            raise ValueError(f"no GPU with index {missing} (GPUs: {sorted(known)})")
+        for gpu in state["gpus"]:
+            if gpu["index"] in gpus:
+                gpu["na_fields"] = list(fields)
+
+
 def parse_gpu_list(text):
     try:
         return [int(part) for part in str(text).split(",") if part.strip() != ""]
@@ -217,6 +229,9 @@ def main(argv=None):
     p_reg.add_argument("--name", default="python3")
     p_unreg = sub.add_parser("unregister", help="forget a process")
     p_unreg.add_argument("--pid", type=int, required=True)
+    p_na = sub.add_parser("unreadable", help="nvidia-smi prints [N/A] for these fields of these GPUs")
+    p_na.add_argument("--gpus", type=parse_gpu_list, required=True, help="e.g. 0 or 0,1")
+    p_na.add_argument("--fields", default="", help="query fields, e.g. memory.used,memory.free,used_memory; empty: none")
     sub.add_parser("show", help="print GPUs with used/free MiB and the live holders as JSON")
     args = parser.parse_args(argv)
 
@@ -229,6 +244,8 @@ def main(argv=None):
             register(args.pid, args.gpus, args.mib, args.name, args.state)
         elif args.command == "unregister":
             unregister(args.pid, args.state)
+        elif args.command == "unreadable":
+            set_unreadable(args.gpus, [f.strip() for f in args.fields.split(",") if f.strip()], args.state)
         elif args.command == "show":
             state = load_state(args.state)
             processes = live_processes(state)
