@@ -336,7 +336,9 @@ class SimHost:
         self.exec(
             "systemctl stop %s %s 2>/dev/null; systemctl reset-failed %s %s 2>/dev/null; "
             "systemctl stop stray-holder.service 2>/dev/null; "
-            ": > /etc/environment; rm -rf %s; true"
+            ": > /etc/environment; rm -rf %s; "
+            "fake-gpu unreadable --gpus \"$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd,)\" "
+            "--fields ''; true"
             % (DEADMAN_TIMER, DEADMAN_TIMER.replace(".timer", ".service"),
                DEADMAN_TIMER, DEADMAN_TIMER.replace(".timer", ".service"), STATE_DIR), check=False)
         # The reset's restart stops the whole cgroup again (the leak drop-in is gone by then),
@@ -460,9 +462,10 @@ def merged_vars(results_dir, overrides):
 def run_playbook(tmp_path, results_dir):
     """run_playbook(host, extra_vars={}, playbook="moe_bench.yml", timeout=600, verbose=0) -> PlaybookRun."""
 
-    def runner(host, extra_vars=None, playbook="moe_bench.yml", timeout=600, verbose=0, raw_vars=False):
+    def runner(host, extra_vars=None, playbook="moe_bench.yml", timeout=600, verbose=0, raw_vars=False,
+               extra_args=()):
         all_vars = dict(extra_vars or {}) if raw_vars else merged_vars(results_dir, extra_vars)
-        argv = _playbook_argv(host, playbook, all_vars, tmp_path, verbose)
+        argv = _playbook_argv(host, playbook, all_vars, tmp_path, verbose) + list(extra_args)
         started = time.monotonic()
         try:
             proc = subprocess.run(argv, cwd=REPO, env=_playbook_env(tmp_path), capture_output=True,

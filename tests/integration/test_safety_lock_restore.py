@@ -5,6 +5,8 @@ import re
 import socket
 import time
 
+import pytest
+
 from conftest import STATE_DIR, fetched_run_dirs
 
 OTHER_RUN = "20260101T000000Z-abcdef"
@@ -59,23 +61,75 @@ def test_lock_whose_owner_is_gone_is_taken_over_with_a_warning(simhost, run_play
     assert simhost.unit_show()["ActiveState"] == "active"
 
 
-def test_unit_not_running_before_stays_stopped_and_is_reported(simhost, run_playbook, results_dir):
-    simhost.exec("systemctl stop fake-inference.service")
+# Restore policy x the unit's state before the run: (policy, active before) -> active after.
+RESTORE_CASES = [
+    pytest.param("previous", True, True, id="previous-active"),
+    pytest.param("previous", False, False, id="previous-inactive"),
+    pytest.param("always", True, True, id="always-active"),
+    pytest.param("always", False, True, id="always-inactive"),
+    pytest.param("never", True, False, id="never-active"),
+    pytest.param("never", False, False, id="never-inactive"),
+]
+
+
+@pytest.mark.parametrize("policy, active_before, active_after", RESTORE_CASES)
+def test_restore_policy_decides_the_end_state(simhost, run_playbook, results_dir, policy, active_before, active_after):
+    if not active_before:
+        simhost.exec("systemctl stop fake-inference.service")
+    before = simhost.unit_show()
     since = simhost.epoch()
-    run = run_playbook(simhost)
+    run = run_playbook(simhost, {"moe_bench_restore": policy})
     assert run.rc == 0, run.describe()
-    assert "is left stopped" in run.stdout, run.describe()
-    assert "was already" in run.stdout or "before the run" in run.stdout
-    assert simhost.unit_active() == "inactive"
-    assert simhost.stop_count(since) == 0
-    assert not simhost.timer_loaded(), "a dead-man timer would start a unit the operator had stopped"
+    # The unit was stopped by this run only when it was running.
+    assert simhost.stop_count(since) == (1 if active_before else 0), simhost.journal(since_epoch=since)
+    after = simhost.unit_show()
+    if active_after:
+        assert after["ActiveState"] == "active", after
+        assert after["MainPID"] != before["MainPID"], "not started again by this run"
+        assert simhost.health_status() == 200
+    else:
+        assert after["ActiveState"] == "inactive", after
+        assert simhost.health_status() != 200
+        assert "is left stopped" in run.stdout, run.describe()
+        reason = "restore policy never" if policy == "never" else "it was inactive before the run"
+        assert reason in " ".join(run.stdout.split()), run.describe()
+    # Whatever the policy: no dead-man timer left, lock released, results complete.
+    assert not simhost.timer_loaded(), "dead-man timer left armed"
+    assert simhost.exec("test -e %s/lock" % STATE_DIR, check=False).returncode != 0, "lock not released"
+    (run_id,) = simhost.run_ids()
+    deadman = simhost.read_json("%s/runs/%s/deadman.json" % (STATE_DIR, run_id))
+    # The timer is armed only where it would start the unit: a policy that starts it afterwards.
+    armed = policy == "always" or (policy == "previous" and active_before)
+    assert str(deadman["armed"]).lower() == str(armed).lower(), deadman
+    recover = simhost.read_json("%s/runs/%s/recover.json" % (STATE_DIR, run_id))
+    assert str(recover["started"]).lower() == str(active_after).lower(), recover
+    (fetched,) = fetched_run_dirs(results_dir, simhost)
+    results = json.loads((fetched / "results.json").read_text())
+    assert results["status"] == "complete"
+    assert [row["m"] for row in results["results"]] == [1, 2, 4, 8]
+
+
+def test_two_runs_at_the_same_moment_stop_the_unit_once(simhost, start_playbook, results_dir):
+    since = simhost.epoch()
+    first = start_playbook(simhost)
+    second = start_playbook(simhost)
+    runs = [first.wait(timeout=600), second.wait(timeout=600)]
+    winners = [run for run in runs if run.rc == 0]
+    losers = [run for run in runs if run.rc != 0]
+    assert len(winners) == 1 and len(losers) == 1, "\n\n".join(run.describe() for run in runs)
+    loser = losers[0]
+    # Refused by the lock it found, or by the read-back after both took it at the same instant.
+    assert re.search(r"is locked by run \S+|Another run took the lock on \S+ at the same moment",
+                     " ".join(loser.stdout.split())), loser.describe()
+    assert "This run touched nothing" in " ".join(loser.stdout.split()), loser.describe()
+    # The loser never reached the stop, the deploy or the dead-man switch.
+    for step in ("Record the service's state and stop it", "Deploy the payload", "Arm the dead-man switch"):
+        assert step not in loser.stdout, (step, loser.describe())
+    assert simhost.stop_count(since) == 1, simhost.journal(since_epoch=since)
+    # One run folder with its results; service back, no timer, no lock.
+    assert len(simhost.run_ids()) == 1, simhost.run_ids()
+    assert simhost.unit_show()["ActiveState"] == "active" and simhost.health_status() == 200
+    assert not simhost.timer_loaded()
+    assert simhost.exec("test -e %s/lock" % STATE_DIR, check=False).returncode != 0, "lock not released"
     (fetched,) = fetched_run_dirs(results_dir, simhost)
     assert json.loads((fetched / "results.json").read_text())["status"] == "complete"
-
-
-def test_unit_not_running_before_is_started_when_asked(simhost, run_playbook):
-    simhost.exec("systemctl stop fake-inference.service")
-    run = run_playbook(simhost, {"moe_bench_restore": "always"})
-    assert run.rc == 0, run.describe()
-    assert simhost.unit_show()["ActiveState"] == "active"
-    assert simhost.health_status() == 200
