@@ -1,0 +1,131 @@
+"""scripts/test-summary: the closing line of `make test` fails on every way a phase can lie."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "test-summary"
+
+
+def junit(path, cases):
+    """cases: list of (name, outcome) with outcome pass | fail | skip."""
+    body = []
+    for name, outcome in cases:
+        inner = {"pass": "", "fail": "<failure message='boom'/>", "skip": "<skipped message='no docker'/>"}[outcome]
+        body.append("<testcase classname='tests.x' name='%s'>%s</testcase>" % (name, inner))
+    counts = {o: sum(1 for _, v in cases if v == o) for o in ("fail", "skip")}
+    path.write_text("<testsuites><testsuite name='pytest' tests='%d' failures='%d' errors='0' skipped='%d'>%s"
+                    "</testsuite></testsuites>" % (len(cases), counts["fail"], counts["skip"], "".join(body)))
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """A tree with two role scenarios and the playbook scenario, and a complete, fresh .cache."""
+    repo = tmp_path / "repo"
+    for scenario in ("roles/alpha/molecule/default", "roles/beta/molecule/default", "molecule/playbook"):
+        (repo / scenario).mkdir(parents=True)
+        (repo / scenario / "molecule.yml").write_text("---\n")
+    (repo / "molecule" / "shared").mkdir()
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "test-run-started").write_text("")
+    time.sleep(0.01)
+    for phase in ("unit", "payload", "integration"):
+        junit(cache / ("junit-%s.xml" % phase), [("test_a", "pass"), ("test_b", "pass")])
+    (cache / "molecule-recap.txt").write_text("ok      alpha (3 s)\nok      beta (4 s)\nok      playbook (9 s)\n")
+    (cache / "lint.txt").write_text("pass\n")
+    return repo, cache
+
+
+def summary(tree, ci=False):
+    repo, cache = tree
+    env = dict(os.environ)
+    env.pop("CI", None)
+    if ci:
+        env["CI"] = "true"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cache", str(cache), "--repo", str(repo)],
+                          capture_output=True, text=True, env=env)
+    return proc.returncode, proc.stdout
+
+
+def test_complete_fresh_reports_pass(tree):
+    rc, out = summary(tree)
+    assert rc == 0, out
+    assert out.splitlines()[-1] == "10 passed, 0 failed, 0 skipped"
+
+
+def test_a_phase_that_executed_no_test_fails(tree):
+    junit(tree[1] / "junit-payload.xml", [])
+    rc, out = summary(tree)
+    assert rc == 1 and "the payload phase executed no test" in out, out
+
+
+def test_a_phase_that_skipped_every_case_fails(tree):
+    junit(tree[1] / "junit-integration.xml", [("test_a", "skip"), ("test_b", "skip")])
+    rc, out = summary(tree)
+    assert rc == 1 and "the integration phase skipped every one of its 2 cases" in out, out
+
+
+def test_a_skip_is_named_outside_ci_and_fails_under_ci(tree):
+    junit(tree[1] / "junit-unit.xml", [("test_a", "pass"), ("test_needs_docker", "skip")])
+    rc, out = summary(tree)
+    assert rc == 0, out
+    assert "skipped unit: tests.x::test_needs_docker (no docker)" in out
+    assert out.splitlines()[-1] == "9 passed, 0 failed, 1 skipped"
+    rc, out = summary(tree, ci=True)
+    assert rc == 1 and "1 case(s) skipped under CI=true" in out, out
+
+
+def test_a_molecule_scenario_of_the_tree_missing_from_the_recap_fails(tree):
+    repo, cache = tree
+    (repo / "roles" / "gamma" / "molecule" / "default").mkdir(parents=True)
+    (repo / "roles" / "gamma" / "molecule" / "default" / "molecule.yml").write_text("---\n")
+    rc, out = summary(tree)
+    assert rc == 1 and "lacks scenario(s) of the tree: gamma" in out, out
+
+
+def test_a_failed_scenario_counts_as_failed(tree):
+    (tree[1] / "molecule-recap.txt").write_text("ok      alpha (3 s)\nFAILED  beta (4 s)\nok      playbook (9 s)\n")
+    rc, out = summary(tree)
+    assert rc == 1 and out.splitlines()[-1] == "9 passed, 1 failed, 0 skipped", out
+
+
+@pytest.mark.parametrize("report", ["junit-unit.xml", "molecule-recap.txt", "lint.txt"])
+def test_a_report_older_than_this_run_is_stale(tree, report):
+    cache = tree[1]
+    old = time.time() - 3600
+    os.utime(cache / report, (old, old))
+    rc, out = summary(tree)
+    assert rc == 1 and ("%s is older than this make test run" % report) in out, out
+
+
+@pytest.mark.parametrize("report, phase", [("lint.txt", "lint"), ("junit-payload.xml", "payload"),
+                                           ("molecule-recap.txt", "molecule")])
+def test_a_phase_that_did_not_run_fails(tree, report, phase):
+    (tree[1] / report).unlink()
+    rc, out = summary(tree)
+    assert rc == 1 and ("the %s phase left no report" % phase) in out, out
+
+
+def test_the_scenarios_of_this_repository_come_from_its_tree():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import importlib.machinery
+    import importlib.util
+    loader = importlib.machinery.SourceFileLoader("test_summary_script", str(SCRIPT))
+    spec = importlib.util.spec_from_loader("test_summary_script", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    names = module.molecule_scenarios(REPO)
+    on_disk = sorted(p.parts[-4] for p in REPO.glob("roles/*/molecule/default/molecule.yml"))
+    assert sorted(n for n in names if n != "playbook") == on_disk and "playbook" in names
+    # tests/run-molecule runs exactly these.
+    listed = subprocess.run(["bash", "-c", "source <(sed -n '/^RUN_ORDER=/,/^\\[ -f molecule/p' tests/run-molecule); "
+                             "printf '%s\\n' \"${ALL[@]}\""], cwd=REPO, capture_output=True, text=True).stdout.split()
+    assert sorted(listed) == sorted(names), (listed, names)
