@@ -6,14 +6,14 @@ ANSIBLE_PLAYBOOK := $(VENV)/bin/ansible-playbook
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: demo test venv engine host-image host-up host-down lint unit payload-test molecule integration clean
+.PHONY: demo test venv engine host-image host-up host-down controller-user lint unit payload-test molecule integration clean
 
 ## demo: build and start the simulated GPU host, run playbooks/moe_bench.yml against it end to end
 demo: venv host-up
 	$(ANSIBLE_PLAYBOOK) -i inventory/demo playbooks/moe_bench.yml
 
 ## test: the whole suite (lint, unit, payload, Molecule, integration), then one summary line
-test: venv host-image
+test: venv host-image controller-user
 	@mkdir -p .cache && rm -rf .cache/junit-*.xml .cache/molecule-recap.txt .cache/lint.txt && touch .cache/test-run-started
 	@status=0; for target in lint unit payload-test molecule integration; do \
 		$(MAKE) --no-print-directory $$target || status=1; \
@@ -36,6 +36,9 @@ host-up: host-image
 host-down:
 	simhost/down
 
+controller-user:
+	scripts/controller-user
+
 lint: venv
 	mkdir -p .cache
 	$(VENV)/bin/ansible-lint --profile production && echo pass > .cache/lint.txt || { echo fail > .cache/lint.txt; exit 1; }
@@ -49,7 +52,7 @@ payload-test: venv
 molecule: venv host-image
 	tests/run-molecule
 
-integration: venv host-image
+integration: venv host-image controller-user
 	$(VENV)/bin/pytest -q tests/integration --junitxml=.cache/junit-integration.xml
 
 clean: host-down
