@@ -47,7 +47,7 @@ def test_slow_stop_and_every_budget_at_its_limit_never_fire_the_timer(simhost, s
     result = run.wait(timeout=300)
     text = " ".join(result.stdout.split())
     # The plan took the unit's own stop timeout over the configured one, and said so.
-    assert "the unit's own TimeoutStopSec (30 s) is longer than moe_bench_stop_timeout_s (2 s)" in text, \
+    assert "TimeoutStopSec of the unit (30 s) is longer than moe_bench_stop_timeout_s (2 s)" in text, \
         result.describe()
     # The benchmark used its whole budget (killed at the limit): that failure, and no other.
     assert result.rc != 0, result.describe()
