@@ -6,14 +6,14 @@ ANSIBLE_PLAYBOOK := $(VENV)/bin/ansible-playbook
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: demo test venv engine host-image host-up host-down lint unit payload-test molecule integration clean
+.PHONY: demo test venv engine host-image ee-image host-up host-down lint unit payload-test molecule integration clean
 
 ## demo: build and start the simulated GPU host, run playbooks/moe_bench.yml against it end to end
 demo: venv host-up
 	$(ANSIBLE_PLAYBOOK) -i inventory/demo playbooks/moe_bench.yml
 
 ## test: the whole suite (lint, unit, payload, Molecule, integration), then one summary line
-test: venv host-image
+test: venv host-image ee-image
 	@rm -rf .cache/junit-*.xml .cache/molecule-recap.txt
 	@status=0; for target in lint unit payload-test molecule integration; do \
 		$(MAKE) --no-print-directory $$target || status=1; \
@@ -29,6 +29,10 @@ engine:
 
 host-image: engine
 	simhost/build-image
+
+## ee-image: the execution environment (execution-environment.yml) as a local image, rebuilt when its inputs change
+ee-image: venv engine
+	scripts/build-ee-image
 
 host-up: host-image
 	simhost/up
@@ -49,7 +53,7 @@ payload-test: venv
 molecule: venv host-image
 	tests/run-molecule
 
-integration: venv host-image
+integration: venv host-image ee-image
 	$(VENV)/bin/pytest -q tests/integration --junitxml=.cache/junit-integration.xml
 
 clean: host-down
