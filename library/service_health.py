@@ -31,7 +31,9 @@ options:
       - Health endpoint, C(http://) or C(https://). When omitted, ready means the unit is active.
     type: str
   headers:
-    description: Extra HTTP headers sent with the health and completion requests.
+    description:
+      - Extra HTTP headers sent with the health and completion requests.
+      - Their values are never logged nor returned (an C(X-Api-Key) is a credential).
     type: dict
     default: {}
   token:
@@ -302,7 +304,9 @@ def main():
         argument_spec=dict(
             unit=dict(type="str", required=True),
             url=dict(type="str"),
-            headers=dict(type="dict", default={}),
+            # header values are credentials as often as not (X-Api-Key): masked everywhere,
+            # the module's logged invocation included
+            headers=dict(type="dict", default={}, no_log=True),
             token=dict(type="str", no_log=True),
             expected_status=dict(type="list", elements="int", default=[200]),
             timeout=dict(type="float", default=5),

@@ -17,29 +17,24 @@ import json
 import os
 import pathlib
 import shutil
-import subprocess
-import textwrap
 
 import pytest
 import yaml
 
-from conftest import FAST_VARS, REPO, STATE_DIR, UNIT, VENV_BIN, sh
+ansible_runner = pytest.importorskip("ansible_runner")
+
+from conftest import FAST_VARS, REPO, STATE_DIR, UNIT, VENV_BIN, sh  # noqa: E402
 
 EE_IMAGE = os.environ.get("MOE_BENCH_EE_IMAGE", "moe-bench-ee:latest")
 JOB_UID = 1000
 AWX_DATA = yaml.safe_load((REPO / "awx" / "moe_bench.yml").read_text())
 RESULTS_HOST_DIR = "/srv/moe-bench-results"
-# The control process: what AWX's task runner does with a job, as uid 1000.
-CONTROL = textwrap.dedent("""
-    import json, sys
-    import ansible_runner
-    pdd, image, out = sys.argv[1:]
-    runner = ansible_runner.run(private_data_dir=pdd, playbook="playbooks/moe_bench.yml",
-                                process_isolation=True, process_isolation_executable="docker",
-                                container_image=image, quiet=True)
-    json.dump({"status": runner.status, "rc": runner.rc, "stats": runner.stats,
-               "artifact_dir": runner.config.artifact_dir}, open(out, "w"))
-""")
+JOB_IDENT = "ee-job"
+# Where the machine credential's key lands in the job (AWX writes a credential to a private
+# file of the job; ansible-runner's own env/ssh_key route feeds an ssh-agent through a fifo that
+# only the control process's uid can read, so it cannot serve a container user of another uid
+# under docker, which has no --userns=keep-id as AWX's podman has).
+KEY_IN_JOB = "/runner/env/credentials/gpu-hosts-ssh"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,57 +68,65 @@ def private_data_dir(root, host, ip, extravars):
     (pdd / "env" / "settings").write_text(yaml.safe_dump({"job_timeout": 900, "idle_timeout": 600}))
     (pdd / "env" / "envvars").write_text(yaml.safe_dump({"ANSIBLE_SSH_CONTROL_PATH_DIR": "/tmp/cp",
                                                          "ANSIBLE_NOCOLOR": "1"}))
-    # the machine credential: AWX hands its key to ansible-runner, which loads it into an agent
-    (pdd / "env" / "ssh_key").write_text(pathlib.Path(host.connection["ansible_ssh_private_key_file"]).read_text())
+    # the machine credential's key, a private file of the job
+    key = pdd / "env" / "credentials" / "gpu-hosts-ssh"
+    key.parent.mkdir()
+    key.write_text(pathlib.Path(host.connection["ansible_ssh_private_key_file"]).read_text())
+    os.chmod(key, 0o600)
     group = AWX_DATA["awx_moe_bench_inventory"]
     inventory = {"all": {"children": {group["group"]: {
         "vars": group["variables"],
         "hosts": {host.name: {"ansible_host": ip, "ansible_port": 22, "ansible_user": "root",
+                              "ansible_ssh_private_key_file": KEY_IN_JOB,
                               "moe_bench_unit": UNIT, "moe_bench_gpus": [0],
                               "moe_bench_health_url": FAST_VARS["moe_bench_health_url"],
                               "moe_bench_python": FAST_VARS["moe_bench_python"], "moe_bench_device": "cpu"}}}}}}
     (pdd / "inventory" / "hosts.yml").write_text(yaml.safe_dump(inventory))
-    os.chmod(pdd / "env" / "ssh_key", 0o600)
-    sh(["chown", "-R", f"{JOB_UID}:{JOB_UID}", str(root)])
+    # the job's own folder for its artifacts, as the job's user's (ansible-runner makes it 0700)
+    for sub in ("job_events", "fact_cache"):
+        (pdd / "artifacts" / JOB_IDENT / sub).mkdir(parents=True)
+    sh(["chown", "-R", f"{JOB_UID}:{JOB_UID}", str(pdd)])
     return pdd
 
 
-def run_as_job_user(pdd, out):
-    docker_gid = os.stat("/var/run/docker.sock").st_gid
-    env = {"PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin", "HOME": str(pdd.parent / "home"), "LANG": "C.UTF-8"}
-    (pdd.parent / "home").mkdir(exist_ok=True)
-    os.chown(pdd.parent / "home", JOB_UID, JOB_UID)
-    return subprocess.run(["setpriv", f"--reuid={JOB_UID}", f"--regid={JOB_UID}", f"--groups={docker_gid}",
-                           str(VENV_BIN / "python"), "-c", CONTROL, str(pdd), EE_IMAGE, str(out)],
-                          env=env, capture_output=True, text=True, timeout=900, cwd=str(pdd.parent))
+def run_job(pdd, monkeypatch):
+    """ansible-runner with process isolation, as AWX starts a job: the container runs as uid 1000."""
+    monkeypatch.setenv("PATH", f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    return ansible_runner.run(private_data_dir=str(pdd), ident=JOB_IDENT, playbook="playbooks/moe_bench.yml",
+                              process_isolation=True, process_isolation_executable="docker",
+                              container_image=EE_IMAGE, container_options=[f"--user={JOB_UID}"], quiet=True)
 
 
-def test_moe_bench_runs_in_the_execution_environment_as_uid_1000(simhost, tmp_path_factory):
+def test_moe_bench_runs_in_the_execution_environment_as_uid_1000(simhost, tmp_path_factory, monkeypatch):
     root = tmp_path_factory.mktemp("ee-job")
     ip = container_ip(simhost)
     survey = {question["variable"]: str(question["default"]) for question in AWX_DATA["awx_moe_bench_survey"]["spec"]}
     run_wide = {name: str(value) for name, value in FAST_VARS.items()
                 if name not in ("moe_bench_unit", "moe_bench_gpus", "moe_bench_health_url", "moe_bench_python",
                                 "moe_bench_device")}
-    extravars = dict(AWX_DATA["awx_moe_bench_job_template"]["extra_vars"], **survey, **run_wide,
-                     moe_bench_results_push_dest=f"root@{ip}:{RESULTS_HOST_DIR}",
+    # the template's extra vars, the survey's answers (run-wide settings that keep the job short
+    # answered over the defaults), all strings as AWX sends them
+    extravars = dict(AWX_DATA["awx_moe_bench_job_template"]["extra_vars"])
+    extravars.update(survey)
+    extravars.update(run_wide)
+    extravars.update(moe_bench_results_push_dest=f"root@{ip}:{RESULTS_HOST_DIR}",
                      awx_job_id="4713", awx_job_launch_type="manual")
     pdd = private_data_dir(root, simhost, ip, extravars)
-    out = root / "control.json"
-    control = run_as_job_user(pdd, out)
-    assert control.returncode == 0 and out.exists(), control.stdout[-3000:] + control.stderr[-3000:]
-    job = json.loads(out.read_text())
-    artifacts = pathlib.Path(job["artifact_dir"])
+    runner = run_job(pdd, monkeypatch)
+    artifacts = pathlib.Path(runner.config.artifact_dir)
     stdout = (artifacts / "stdout").read_text(errors="replace")
-    assert job["status"] == "successful" and job["rc"] == 0, stdout[-6000:]
+    assert runner.status == "successful" and runner.rc == 0, stdout[-6000:]
+    # it ran in the image, as uid 1000
+    command = json.loads((artifacts / "command").read_text())["command"]
+    assert command[0] == "docker" and EE_IMAGE in command and f"--user={JOB_UID}" in command
 
     # The artifacts AWX reads back.
     assert (artifacts / "rc").read_text().strip() == "0"
     assert (artifacts / "status").read_text().strip() == "successful"
     assert "PLAY RECAP" in stdout
     events = [json.loads(path.read_text()) for path in sorted((artifacts / "job_events").glob("*.json"))]
-    assert events and job["stats"]["ok"].get(simhost.name, 0) > 0 and not job["stats"]["failures"], job["stats"]
-    # the key went to the agent only: no copy of it among the artifacts
+    assert events and runner.stats["ok"].get(simhost.name, 0) > 0 and not runner.stats["failures"], runner.stats
+    # the key stayed in its credential file: no copy of it among the artifacts
     key = (pathlib.Path(simhost.connection["ansible_ssh_private_key_file"]).read_text().strip().splitlines()[1])
     assert not [path for path in artifacts.rglob("*") if path.is_file() and key in path.read_text(errors="replace")]
 
