@@ -115,7 +115,10 @@ def test_moe_bench_runs_in_the_execution_environment_as_uid_1000(simhost, tmp_pa
     runner = run_job(pdd, monkeypatch)
     artifacts = pathlib.Path(runner.config.artifact_dir)
     stdout = (artifacts / "stdout").read_text(errors="replace")
-    assert runner.status == "successful" and runner.rc == 0, stdout[-6000:]
+    needs_sudo = "sudo: not found" in stdout
+    assert runner.status == "successful" and runner.rc == 0, (
+        ("A task on the controller asked for sudo, which no execution environment has (issue 14 item 1: "
+         "become applies to the GPU host's tasks only).\n" if needs_sudo else "") + stdout[-6000:])
     # it ran in the image, as uid 1000
     command = json.loads((artifacts / "command").read_text())["command"]
     assert command[0] == "docker" and EE_IMAGE in command and f"--user={JOB_UID}" in command
