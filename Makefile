@@ -6,14 +6,14 @@ ANSIBLE_PLAYBOOK := $(VENV)/bin/ansible-playbook
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: demo test venv engine host-image host-up host-down controller-user lint unit payload-test molecule integration clean
+.PHONY: demo test venv engine host-image host-up host-down controller-user ee-image lint unit payload-test molecule integration clean
 
 ## demo: build and start the simulated GPU host, run playbooks/moe_bench.yml against it end to end
 demo: venv host-up
 	$(ANSIBLE_PLAYBOOK) -i inventory/demo playbooks/moe_bench.yml
 
 ## test: the whole suite (lint, unit, payload, Molecule, integration), then one summary line
-test: venv host-image controller-user
+test: venv host-image ee-image controller-user
 	@mkdir -p .cache && rm -rf .cache/junit-*.xml .cache/molecule-recap.txt .cache/lint.txt && touch .cache/test-run-started
 	@status=0; for target in lint unit payload-test molecule integration; do \
 		$(MAKE) --no-print-directory $$target || status=1; \
@@ -29,6 +29,10 @@ engine:
 
 host-image: engine
 	simhost/build-image
+
+## ee-image: the execution environment (execution-environment.yml) as a local image, rebuilt when its inputs change
+ee-image: venv engine
+	scripts/build-ee-image
 
 host-up: host-image
 	simhost/up
@@ -52,7 +56,7 @@ payload-test: venv
 molecule: venv host-image
 	tests/run-molecule
 
-integration: venv host-image controller-user
+integration: venv host-image ee-image controller-user
 	$(VENV)/bin/pytest -q tests/integration --junitxml=.cache/junit-integration.xml
 
 clean: host-down

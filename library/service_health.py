@@ -393,6 +393,8 @@ def main():
         argument_spec=dict(
             unit=dict(type="str", required=True),
             url=dict(type="str"),
+            # header values are credentials as often as not (X-Api-Key): masked everywhere,
+            # the module's logged invocation included
             headers=dict(type="dict", default={}, no_log=True),
             token=dict(type="str", no_log=True),
             expected_status=dict(type="list", elements="int", default=[200]),

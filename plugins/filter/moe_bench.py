@@ -1,5 +1,6 @@
 # -*- coding: utf-8 -*-
-"""Filters moe_bench_plan, moe_bench_m_list and moe_bench_run_id: the one place for timeout arithmetic."""
+"""Filters moe_bench_plan, moe_bench_m_list and moe_bench_run_id: the one place for timeout arithmetic;
+moe_bench_inputs: the one place that gives every input its type (AWX sends survey answers as strings)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ description:
   - Companion filters - C(moe_bench_m_list) (validate an M list given as a list or C("1,2,4")),
     C(moe_bench_run_id) (a run id C(YYYYmmddTHHMMSSZ-xxxxxx) for a given epoch), C(moe_bench_check)
     (the refusal message of a plan or M list, empty when valid), C(moe_bench_timespan_s) (a systemd
-    timespan in seconds).
+    timespan in seconds) and
+    C(moe_bench_inputs) (check the inputs against a role's argument spec and give them their types -
+    C("0,1") becomes C([0, 1]), C("true") C(true), C("1800") C(1800), as the command line's typed values;
+    returns C(inputs), without the options marked C(no_log), and C(errors), each naming its variable).
 options:
   _input:
     description:
@@ -69,6 +73,7 @@ import time
 from datetime import datetime, timezone
 
 from ansible.errors import AnsibleFilterError
+from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 
 BUDGET_KEYS = (
     "bench_budget_s", "async_margin_s", "poll_interval_s", "stop_timeout_s", "load_budget_s",
@@ -327,6 +332,26 @@ def moe_bench_m_list(value):
     return m_list
 
 
+def moe_bench_inputs(argument_specs, given, entry_point="main"):
+    """Check `given` (variable -> value) against a role's argument spec and convert each value the way
+    the spec says (AWX passes survey answers and schedule data as strings: "0,1", "true", "1800").
+
+    `argument_specs` is the role's meta/argument_specs.yml as data. Returns {"inputs": {...}, "errors":
+    [...]}: the converted values of every option (options marked no_log are left out, so the result can be
+    printed and stored) and the validator's messages, which name the variable. Never raises for a bad
+    value, so that the caller can refuse it with its own message."""
+    if not isinstance(argument_specs, dict) or "argument_specs" not in argument_specs:
+        raise AnsibleFilterError("moe_bench_inputs: expects a role's argument_specs.yml as data")
+    options = argument_specs["argument_specs"][entry_point]["options"]
+    spec = dict((name, dict((key, value) for key, value in option.items() if key != "description"))
+                for name, option in options.items())
+    values = dict((name, given[name]) for name in spec if name in given and given[name] is not None)
+    result = ArgumentSpecValidator(spec).validate(values, validate_role_argument_spec=True)
+    inputs = dict((name, value) for name, value in result.validated_parameters.items()
+                  if not spec[name].get("no_log"))
+    return {"inputs": inputs, "errors": list(result.error_messages)}
+
+
 class FilterModule(object):
     def filters(self):
         return {
@@ -337,4 +362,5 @@ class FilterModule(object):
             "moe_bench_check": moe_bench_check,
             "moe_bench_folder": moe_bench_folder,
             "moe_bench_timespan_s": moe_bench_timespan_s,
+            "moe_bench_inputs": moe_bench_inputs,
         }

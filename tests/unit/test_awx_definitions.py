@@ -85,14 +85,48 @@ def test_survey_variables_are_unique():
     assert len(names) == len(set(names))
 
 
-def test_survey_asks_for_unit_gpus_m_list_budget_and_downtime():
+# What differs from host to host. A survey answer is an extra var, which overrides every
+# host's own value: these must be host (or group) variables of the AWX inventory.
+PER_HOST_INPUTS = {"moe_bench_unit", "moe_bench_gpus", "moe_bench_health_url", "moe_bench_python",
+                   "moe_bench_device", "moe_bench_nvidia_smi", "moe_bench_health_completion"}
+
+
+def test_survey_asks_only_run_wide_choices():
+    asked = {question["variable"] for question in SURVEY}
+    assert not asked & PER_HOST_INPUTS, f"per-host facts in the survey: {sorted(asked & PER_HOST_INPUTS)}"
     assert {
-        "moe_bench_unit",
-        "moe_bench_gpus",
         "moe_bench_m_list",
         "moe_bench_bench_budget_s",
+        "moe_bench_load_budget_s",
         "moe_bench_window_override",
-    } <= {question["variable"] for question in SURVEY}
+        "moe_bench_backend",
+        "moe_bench_restore",
+    } <= asked
+    for window in WINDOWS:
+        given = set(window.get("extra_data") or {})
+        assert not given & PER_HOST_INPUTS, f"window {window['name']} sets per-host facts {sorted(given & PER_HOST_INPUTS)}"
+    assert not set(AWX_VARS["awx_moe_bench_job_template"]["extra_vars"]) & PER_HOST_INPUTS
+
+
+def test_every_host_carries_its_own_unit_gpus_health_url_and_python():
+    for host in AWX_VARS["awx_moe_bench_hosts"]:
+        variables = host["variables"]
+        for name in ("moe_bench_unit", "moe_bench_gpus", "moe_bench_health_url", "moe_bench_python"):
+            assert variables.get(name) not in (None, "", []), f"host {host['name']} has no {name}"
+
+
+def test_the_inventory_group_is_the_one_the_playbook_runs_on():
+    play = yaml.safe_load((REPO / "playbooks" / "moe_bench.yml").read_text())[0]
+    default_target = re.fullmatch(r"\{\{\s*moe_bench_target\s*\|\s*default\('(\w+)'\)\s*\}\}", play["hosts"])
+    assert default_target, f"the play should target moe_bench_target with a default group, not {play['hosts']!r}"
+    assert default_target.group(1) == AWX_VARS["awx_moe_bench_inventory"]["group"]
+    assert PLAN_OPTIONS["moe_bench_target"]["default"] == default_target.group(1)
+    # awx_configure.yml makes exactly these groups and limits each schedule to its window's group
+    tasks = yaml.safe_load(AWX_CONFIGURE.read_text())[0]["tasks"]
+    schedule = next(task["awx.awx.schedule"] for task in tasks if "awx.awx.schedule" in task)
+    assert schedule["limit"] == "window_{{ item.name }}"
+    groups = [task["awx.awx.group"]["name"] for task in tasks if "awx.awx.group" in task]
+    assert groups == ["{{ awx_moe_bench_inventory.group }}", "window_{{ item.name }}"]
 
 
 @pytest.mark.parametrize("question", SURVEY, ids=[q["variable"] for q in SURVEY])
@@ -112,20 +146,45 @@ def test_every_survey_answer_passes_the_role_argument_spec(question):
         assert not result.error_messages, f"{variable}={answer!r}: {result.error_messages}"
 
 
+def _plan_inputs(given):
+    """What bench_plan makes of the given inputs: its own filter, with its own argument spec."""
+    hosts_vars = AWX_VARS["awx_moe_bench_hosts"][0]["variables"]
+    base = {name: hosts_vars[name] for name in ("moe_bench_unit", "moe_bench_health_url", "moe_bench_gpus")}
+    base.update(AWX_VARS["awx_moe_bench_inventory"]["variables"])
+    return _load_filter("moe_bench").moe_bench_inputs(PLAN_SPEC, dict(base, **given))
+
+
+def _as_awx_sends(value):
+    """A survey answer or schedule value as a string, the way it arrives in a job's extra vars."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
+
+
 def test_survey_answers_convert_to_what_the_roles_expect():
-    # The argument spec converts AWX's strings: "0,1" -> [0, 1], "true" -> True.
-    gpus = ArgumentSpecValidator({"moe_bench_gpus": {"type": "list", "elements": "int"}}).validate(
-        {"moe_bench_gpus": "0,1"}
-    )
-    assert gpus.validated_parameters["moe_bench_gpus"] == [0, 1]
-    option = {k: v for k, v in PLAN_OPTIONS["moe_bench_window_override"].items() if k not in ("description",)}
-    validator = ArgumentSpecValidator({"moe_bench_window_override": option})
-    assert validator.validate({"moe_bench_window_override": "false"}).validated_parameters[
-        "moe_bench_window_override"
-    ] is False
-    assert validator.validate({"moe_bench_window_override": "true"}).validated_parameters[
-        "moe_bench_window_override"
-    ] is True
+    # bench_plan's own conversion (not a validator that converts on the side): "0,1" -> [0, 1],
+    # "true" -> True, "1800" -> 1800, exactly what the command line's typed values give.
+    typed = {"moe_bench_gpus": [0, 1], "moe_bench_window_override": True, "moe_bench_bench_budget_s": 1800}
+    as_strings = _plan_inputs({name: _as_awx_sends(value) for name, value in typed.items()})
+    as_typed = _plan_inputs(typed)
+    assert as_strings["errors"] == [] and as_typed["errors"] == []
+    assert as_strings["inputs"] == as_typed["inputs"]
+    for name, value in typed.items():
+        assert as_strings["inputs"][name] == value, name
+    # every default and choice of the survey, sent as a string, types like its value would
+    for question in SURVEY:
+        for answer in _answers(question):
+            checked = _plan_inputs({question["variable"]: _as_awx_sends(answer)})
+            assert checked["errors"] == [], (question["variable"], answer, checked["errors"])
+
+
+def test_a_wrong_survey_answer_is_refused_naming_its_variable():
+    for variable, answer in (("moe_bench_bench_budget_s", "30m"), ("moe_bench_window_override", "maybe"),
+                             ("moe_bench_backend", "cutlass"), ("moe_bench_gpus", "0,x")):
+        checked = _plan_inputs({variable: answer})
+        assert any(variable in message for message in checked["errors"]), (variable, checked["errors"])
 
 
 def test_schedule_extra_data_only_sets_survey_or_role_inputs():
@@ -220,7 +279,7 @@ def test_a_scheduled_launch_at_the_opening_fits_its_window(window):
     # The budgets exactly as bench_plan hands them to the filter: its own mapping of
     # moe_bench_* inputs to filter keys, read from its tasks, and the argument spec's defaults.
     plan_tasks = (REPO / "roles" / "bench_plan" / "tasks" / "main.yml").read_text()
-    mapping = dict(re.findall(r"^\s+(\w+_s):\s*\"\{\{\s*(moe_bench_\w+)\s*\}\}\"", plan_tasks, re.M))
+    mapping = dict(re.findall(r"^\s+(\w+_s):\s*\"\{\{\s*(?:__bench_plan_in\.)?(moe_bench_\w+)\s*\}\}\"", plan_tasks, re.M))
     assert mapping, "bench_plan no longer maps moe_bench_* budgets to moe_bench_plan keys"
     budgets = {}
     for key, variable in mapping.items():

@@ -211,3 +211,60 @@ def test_retries_helper_matches_the_plan():
                            "deadman_margin_s": 300, "lock_ttl_margin_s": 300})
     assert filters.moe_bench_retries(900, 10) == plan["health_retries"] == 91
     assert filters.moe_bench_retries("95", 10) == 11
+
+
+# --- moe_bench_inputs: AWX's strings become the command line's typed values -------------------
+
+import pathlib  # noqa: E402
+
+import yaml  # noqa: E402
+
+PLAN_SPECS = yaml.safe_load(
+    (pathlib.Path(__file__).resolve().parents[2] / "roles" / "bench_plan" / "meta" / "argument_specs.yml").read_text())
+# what an inventory gives every host (the required inputs)
+HOST_VARS = {"moe_bench_unit": "vllm-k26.service", "moe_bench_health_url": "http://127.0.0.1:8000/health",
+             "moe_bench_results_dir": "/runner/project/results"}
+
+
+def test_inputs_turn_awx_strings_into_the_values_the_cli_gives():
+    # As a survey or a schedule's extra_data sends them ...
+    as_awx_sends = {"moe_bench_gpus": "0,1", "moe_bench_window_override": "true", "moe_bench_bench_budget_s": "1800",
+                    "moe_bench_lock_takeover": "false", "moe_bench_vram_margin_mib": "2048",
+                    "moe_bench_m_list": "1,2,4", "moe_bench_backend": "torch"}
+    # ... and as an inventory or `-e @file.json` gives them.
+    as_cli_gives = {"moe_bench_gpus": [0, 1], "moe_bench_window_override": True, "moe_bench_bench_budget_s": 1800,
+                    "moe_bench_lock_takeover": False, "moe_bench_vram_margin_mib": 2048,
+                    "moe_bench_m_list": "1,2,4", "moe_bench_backend": "torch"}
+    from_awx = filters.moe_bench_inputs(PLAN_SPECS, dict(HOST_VARS, **as_awx_sends))
+    from_cli = filters.moe_bench_inputs(PLAN_SPECS, dict(HOST_VARS, **as_cli_gives))
+    assert from_awx["errors"] == [] and from_cli["errors"] == []
+    assert from_awx["inputs"] == from_cli["inputs"]
+    for name, value in as_cli_gives.items():
+        assert from_awx["inputs"][name] == value and type(from_awx["inputs"][name]) is type(value), name
+    # defaults of the spec fill what was not given, as the role's defaults do
+    assert from_awx["inputs"]["moe_bench_restore"] == "previous"
+
+
+def test_inputs_leave_out_secrets():
+    checked = filters.moe_bench_inputs(PLAN_SPECS, dict(HOST_VARS, moe_bench_health_token="tok-123",
+                                                        moe_bench_health_headers={"X-Api-Key": "key-456"}))
+    assert checked["errors"] == []
+    assert "moe_bench_health_token" not in checked["inputs"]
+    assert "moe_bench_health_headers" not in checked["inputs"]
+    assert "tok-123" not in repr(checked) and "key-456" not in repr(checked)
+
+
+@pytest.mark.parametrize("name, answer", [
+    ("moe_bench_gpus", "0,x"),
+    ("moe_bench_bench_budget_s", "30m"),
+    ("moe_bench_window_override", "maybe"),
+    ("moe_bench_restore", "sometimes"),
+])
+def test_inputs_report_a_wrong_answer_by_its_variable(name, answer):
+    checked = filters.moe_bench_inputs(PLAN_SPECS, dict(HOST_VARS, **{name: answer}))
+    assert checked["errors"], checked
+    assert any(name in message for message in checked["errors"]), checked["errors"]
+
+
+def test_inputs_filter_is_registered():
+    assert filters.FilterModule().filters()["moe_bench_inputs"] is filters.moe_bench_inputs
