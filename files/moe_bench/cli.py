@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--topk", type=_positive_int, help="experts per token (overrides the preset)")
     parser.add_argument("--group-size", type=_positive_int, help="int4 quantisation group (overrides the preset)")
     parser.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel shards: inter is divided by N")
+    parser.add_argument("--tp-ranks", type=_positive_int,
+                        help="run the layer over N ranks, one process per device (cuda:0..N-1 of the visible GPUs "
+                             "with NCCL, or N processes on the CPU with gloo), each holding the --tp N shard; "
+                             "times the shard's MoE, the all-reduce of its output and the whole layer")
     parser.add_argument("--backend", choices=BACKEND_NAMES, default="triton")
     parser.add_argument("--device", type=_device, default="cuda:0", help="cuda:N or cpu (default %(default)s)")
     parser.add_argument("--dtype", choices=sorted(RELATIVE_ERROR_BOUND),
@@ -168,9 +172,14 @@ class Settings:
             "dtype": self.dtype_name,
             "m_list": list(self.m_list),
             "seed": a.seed,
+            "tp_ranks": a.tp_ranks,
         }
 
     def estimate(self) -> dict:
+        if self.args.tp_ranks:
+            from .tp import estimate_per_rank
+
+            return estimate_per_rank(self)
         return perfmodel.estimate(self.shape, self.args.backend, self.max_m, ROUTINGS[self.device_kind],
                                   self.device_kind, config=dict(self.config(), device=self.device),
                                   dtype=self.dtype_name)
@@ -187,6 +196,13 @@ def parse_settings(argv: list[str] | None) -> Settings:
         topk=args.topk or preset.topk,
         group_size=args.group_size or preset.group_size,
     )
+    if args.tp_ranks is not None:
+        if args.tp_ranks < 2:
+            parser.error("--tp-ranks needs at least 2 ranks; for one device leave it out (--tp N models a shard)")
+        if args.tp not in (1, args.tp_ranks):
+            parser.error(f"--tp {args.tp} with --tp-ranks {args.tp_ranks}: each rank holds the --tp-ranks shard, "
+                         "leave --tp out")
+        args.tp = args.tp_ranks
     try:
         shape = presets.shard_shape(full, args.tp)
         shape.validate()
@@ -529,4 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         from .preflight import run_preflight
 
         return run_preflight(settings)
+    if settings.args.tp_ranks:
+        from .tp import run_tensor_parallel
+
+        return run_tensor_parallel(settings)
     return run_benchmark(settings)
