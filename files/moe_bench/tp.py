@@ -41,7 +41,7 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 
 # Samples per phase and M, the same count on every rank: a time budget (as the one-device run
 # uses) would let ranks stop after different counts and leave one waiting in a collective.
-SAMPLES = {"cuda": 100, "cpu": 8}
+SAMPLES = {"cuda": 100, "cpu": 5}
 WARMUP_ROUNDS = {"cuda": 3, "cpu": 1}
 # How long a collective may wait for a peer before torch gives up. The launcher notices a dead
 # rank within a poll and stops the others long before this.
@@ -155,6 +155,37 @@ class _Rank:
         self.messages.put(message)
 
     def run(self) -> int:
+        """The rank's whole run; its exit code. A failure is reported before the process group
+        is torn down: the peers' errors about this rank's closed connection come after it."""
+        import torch.distributed as dist
+
+        try:
+            return self._run()
+        except BaseException as error:
+            return self.report(error)
+        finally:
+            try:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            except Exception:  # a failed peer can leave the group unable to shut down cleanly
+                pass
+
+    def report(self, error: BaseException) -> int:
+        import torch.distributed as dist
+
+        if isinstance(error, cli.HarnessError):
+            kind, text, code = error.kind, f"rank {self.rank}: {error}", error.exit_code
+        else:  # out of memory, CUDA and NCCL errors, a peer gone
+            traceback.print_exc(file=sys.stderr)
+            kind_text = "out of memory" if "out of memory" in str(error).lower() else type(error).__name__
+            kind, code = "runtime", cli.EXIT_RUNTIME
+            text = f"rank {self.rank} on {getattr(self, 'device', 'its device')}: {kind_text} while {self.phase}: {error}".strip()
+        # A collective that broke because a peer went away: the peer's own report is the cause.
+        follows_a_peer = isinstance(error, getattr(dist, "DistError", ()))
+        self.send("failed", self.rank, kind, text, code, follows_a_peer)
+        return code
+
+    def _run(self) -> int:
         import torch
         import torch.distributed as dist
 
@@ -173,54 +204,50 @@ class _Rank:
         dist.init_process_group(collective_backend(settings), init_method=f"file://{self.rendezvous}",
                                 rank=self.rank, world_size=self.ranks, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         self.dist = dist
+        if self.rank == 0:
+            self.send("environment", cli.collect_environment(self.device))
+            self.phase = "measuring ceilings"
+            # Rank 0's device stands for all: the ranks' devices are one model.
+            self.ceilings = cli.resolve_ceilings(settings, self.device)
+            self.send("ceilings", self.ceilings)
+        names = [None] * self.ranks
+        local_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        # Each rank's own view of the multicast switches: what NCCL reads in that process.
+        seen = {name: os.environ.get(name) for name in MULTICAST_OFF}
+        dist.all_gather_object(names, (str(self.device), local_name, seen))
+        if self.rank == 0:
+            self.send("devices", names)
+
+        self.phase = "building weights"
+        full = quant.random_weights(full_layer_shape(settings), self.device, seed=settings.args.seed)
+        shard = shard_weights(full, self.rank, self.ranks)
+        self.full = full if self.rank == 0 else None  # the reference's weights: rank 0 alone
+        del full
+        self.phase = f"preparing backend {settings.args.backend}"
         try:
-            if self.rank == 0:
-                self.send("environment", cli.collect_environment(self.device))
-                self.phase = "measuring ceilings"
-                # Rank 0's device stands for all: the ranks' devices are one model.
-                self.ceilings = cli.resolve_ceilings(settings, self.device)
-                self.send("ceilings", self.ceilings)
-            names = [None] * self.ranks
-            local_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-            dist.all_gather_object(names, (str(self.device), local_name))
-            if self.rank == 0:
-                self.send("devices", names)
+            self.backend = create_backend(settings.args.backend, shard, settings.max_m, self.dtype)
+        except BackendUnavailable as error:
+            raise cli.EnvironmentFailure(str(error)) from None
+        except ValueError as error:
+            raise cli.EnvironmentFailure(f"backend {settings.args.backend} cannot run this shape: {error}") from None
 
-            self.phase = "building weights"
-            full = quant.random_weights(full_layer_shape(settings), self.device, seed=settings.args.seed)
-            shard = shard_weights(full, self.rank, self.ranks)
-            self.full = full if self.rank == 0 else None  # the reference's weights: rank 0 alone
-            del full
-            self.phase = f"preparing backend {settings.args.backend}"
-            try:
-                self.backend = create_backend(settings.args.backend, shard, settings.max_m, self.dtype)
-            except BackendUnavailable as error:
-                raise cli.EnvironmentFailure(str(error)) from None
-            except ValueError as error:
-                raise cli.EnvironmentFailure(f"backend {settings.args.backend} cannot run this shape: {error}") from None
+        self.phase = "checking correctness"
+        if not self.check_correctness():
+            return cli.EXIT_CORRECTNESS
+        self.full = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
-            self.phase = "checking correctness"
-            if not self.check_correctness():
-                return cli.EXIT_CORRECTNESS
-            self.full = None
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-
-            fail_at = os.environ.get(cli._FAULT_INJECTION_ENV)
-            for m in settings.m_list:
-                # The last rank fails in tests: the launcher must stop the others, which wait for it.
-                if fail_at is not None and m == int(fail_at) and self.rank == self.ranks - 1:
-                    raise cli.RuntimeFailure(f"injected failure at M={m} on rank {self.rank} ({cli._FAULT_INJECTION_ENV})")
-                self.phase = f"timing M={m}"
-                self.time_one_m(m)
-            if self.rank == 0:
-                self.send("done")
-            return cli.EXIT_OK
-        finally:
-            try:
-                dist.destroy_process_group()
-            except Exception:  # a failed peer can leave the group unable to shut down cleanly
-                pass
+        fail_at = os.environ.get(cli._FAULT_INJECTION_ENV)
+        for m in settings.m_list:
+            # The last rank fails in tests: the launcher must stop the others, which wait for it.
+            if fail_at is not None and m == int(fail_at) and self.rank == self.ranks - 1:
+                raise cli.RuntimeFailure(f"injected failure at M={m} on rank {self.rank} ({cli._FAULT_INJECTION_ENV})")
+            self.phase = f"timing M={m}"
+            self.time_one_m(m)
+        if self.rank == 0:
+            self.send("done")
+        return cli.EXIT_OK
 
     def synchronize(self) -> None:
         import torch
@@ -282,7 +309,7 @@ class _Rank:
                     self.send("failed", self.rank, "correctness",
                               f"the {self.ranks}-rank layer (backend {self.backend.name}) is wrong at M={m}: {shown} "
                               f"against the float32 reference of the whole layer, bound {bound:.0e} per row; "
-                              "no timing was done", cli.EXIT_CORRECTNESS)
+                              "no timing was done", cli.EXIT_CORRECTNESS, False)
                 verdict.fill_(1 if ok else 0)
             self.dist.broadcast(verdict, src=0)
             if int(verdict.item()) != 1:
@@ -430,8 +457,8 @@ class _Rank:
                 tp_row[f"{phase}_{statistic}"] = round(figures[statistic], 3)
         tp_row.update({
             "allreduce_bytes": nbytes,
-            # Six decimals: a CPU's gloo all-reduce of a few KB reaches MB/s, not GB/s.
-            "algbw_gbps": round(algbw, 6), "busbw_gbps": round(busbw, 6),
+            # Not rounded: a CPU's gloo all-reduce of a few KB reaches MB/s, not GB/s.
+            "algbw_gbps": algbw, "busbw_gbps": busbw,
             "moe_us_by_rank": [round(figures["moe"]["us"], 3) for figures in everyone],
             "allreduce_us_by_rank": [round(figures["allreduce"]["us"], 3) for figures in everyone],
             "samples": moe["samples"],
@@ -449,15 +476,6 @@ def _rank_main(rank: int, settings: cli.Settings, rendezvous: str, messages) -> 
     code = cli.EXIT_RUNTIME
     try:
         code = worker.run()
-    except cli.HarnessError as error:
-        worker.send("failed", rank, error.kind, f"rank {rank}: {error}", error.exit_code)
-        code = error.exit_code
-    except BaseException as error:  # out of memory, CUDA and NCCL errors, a peer gone
-        traceback.print_exc(file=sys.stderr)
-        kind_text = "out of memory" if "out of memory" in str(error).lower() else type(error).__name__
-        worker.send("failed", rank, "runtime", f"rank {rank}: {kind_text} while {worker.phase}: {error}".strip(),
-                    cli.EXIT_RUNTIME)
-        code = cli.EXIT_RUNTIME
     finally:
         messages.close()
         messages.join_thread()  # what was sent reaches the launcher before this process is gone
@@ -485,7 +503,7 @@ def run_tensor_parallel(settings: cli.Settings) -> int:
             os.environ.setdefault("TRITON_INTERPRET", "1")  # read by every rank's first triton import
         writer = ResultsWriter(settings.args.out, cli.collect_environment(None), settings.config())
         writer.set_tp({"ranks": ranks, "collective": collective_backend(settings), "devices": devices,
-                       "device_names": None, "environment": dict(MULTICAST_OFF),
+                       "device_names": None, "environment": dict(MULTICAST_OFF), "environment_by_rank": None,
                        "full_inter": full_layer_shape(settings).inter, "samples_per_phase": SAMPLES[settings.device_kind]})
         from .backends import BackendUnavailable, check_backend_available
 
@@ -536,83 +554,96 @@ def _check_cuda_devices(ranks: int) -> None:
 
 
 def _supervise(processes: list, messages, writer, devices: list[str]) -> None:
-    """Record what the ranks send until rank 0 says done and every rank has exited; raise the
-    first failure a rank reported (or a rank's death without a word), after stopping the rest."""
-    failure: cli.HarnessError | None = None
+    """Record what the ranks send until rank 0 says done and every rank has exited. On a
+    failure: give the other ranks RANK_EXIT_GRACE_S to exit (then the caller stops them), read
+    what they still sent, and raise the cause: a rank's own failure rather than a peer's
+    broken collective, or a rank's death without a word."""
+    recorder = _Recorder(writer, devices)
     failed_at = None
-    done = False
-    total = len(writer.document["config"]["m_list"] or [])
-    routings = cli.ROUTINGS["cpu" if devices[0] == "cpu" else "cuda"]
-    timing_notes: list[str] = []
     while True:
-        try:
-            message = messages.get(timeout=POLL_S)
-        except queue_module.Empty:
-            message = None
-        if message is not None:
-            kind = message[0]
-            if kind == "environment":
-                writer.set_environment(message[1])
-            elif kind == "ceilings":
-                writer.set_ceilings(message[1])
-                ceilings = message[1]
-                cli.log(f"ceilings (rank 0): {ceilings['bandwidth_gbps']} GB/s, {ceilings['tflops']} TFLOP/s "
-                        f"({ceilings['source']})")
-            elif kind == "devices":
-                writer.set_tp(dict(writer.document["tp"], device_names=[name for _, name in message[1]]))
-            elif kind == "correctness":
-                writer.add_correctness(message[1])
-            elif kind == "result":
-                result, tp_row, timing_info = message[1], message[2], message[3]
-                timing_notes += [f"M={result['m']}: {note}" for note in timing_info["notes"]]
-                writer.set_timing({"method": timing_info["method"], "routings": routings, "notes": timing_notes})
-                writer.add_result(result)
-                writer.add_tp_result(tp_row)
-                cli.log(f"M={tp_row['m']} ({len(writer.document['tp_results'])}/{total}) layer {tp_row['layer_us']:.1f} us: "
-                        f"MoE {tp_row['moe_us']:.1f} us, all-reduce {tp_row['allreduce_us']:.1f} us "
-                        f"(bus {tp_row['busbw_gbps']:.3g} GB/s)")
-            elif kind == "failed":
-                _, rank, error_kind, text, exit_code = message
-                if failure is None:
-                    failure = _harness_error(error_kind, text, exit_code)
-                    failed_at = time.monotonic()
-            elif kind == "done":
-                done = True
-            continue
+        recorder.take(messages)
         exits = [process.exitcode for process in processes]
-        if failure is None:
-            for rank, code in enumerate(exits):
-                if code not in (None, 0):
-                    # Its own report, if any, is already in the queue: read it first.
-                    late = _drain(messages, writer)
-                    failure = late or cli.RuntimeFailure(
-                        f"rank {rank} on {devices[rank]} exited with code {code} without reporting why"
-                        + (f" (killed by signal {signal.Signals(-code).name})" if code < 0 else "")
-                        + "; the other ranks were stopped")
-                    failed_at = time.monotonic()
-                    break
-        if failure is not None:
+        if failed_at is None:
+            silent = [(rank, code) for rank, code in enumerate(exits) if code not in (None, 0)]
+            if recorder.failures or silent:
+                failed_at = time.monotonic()
+        if failed_at is not None:
             if all(code is not None for code in exits) or time.monotonic() - failed_at > RANK_EXIT_GRACE_S:
-                raise failure
+                recorder.drain(messages)
+                raise recorder.cause(exits)
             continue
         if all(code is not None for code in exits):
-            if done:
+            recorder.drain(messages)
+            if recorder.done:
                 return
             raise cli.RuntimeFailure("every rank exited but rank 0 never reported the end of the run")
 
 
-def _drain(messages, writer) -> cli.HarnessError | None:
-    """The messages still queued (correctness records kept); the first failure among them."""
-    found = None
-    while True:
+class _Recorder:
+    """The launcher's side of the queue: writes what the ranks report into the results."""
+
+    def __init__(self, writer, devices: list[str]):
+        self.writer = writer
+        self.devices = devices
+        self.failures: list[tuple[bool, cli.HarnessError]] = []  # (follows a peer's failure, error)
+        self.done = False
+        self.total = len(writer.document["config"]["m_list"] or [])
+        self.routings = cli.ROUTINGS["cpu" if devices[0] == "cpu" else "cuda"]
+        self.timing_notes: list[str] = []
+
+    def take(self, messages, timeout: float = POLL_S) -> bool:
+        """Handle one message if one comes within `timeout`; False when none came."""
         try:
-            message = messages.get(timeout=POLL_S)
+            message = messages.get(timeout=timeout)
         except queue_module.Empty:
-            return found
-        if message[0] == "correctness":
+            return False
+        kind, writer = message[0], self.writer
+        if kind == "environment":
+            writer.set_environment(message[1])
+        elif kind == "ceilings":
+            ceilings = message[1]
+            writer.set_ceilings(ceilings)
+            cli.log(f"ceilings (rank 0): {ceilings['bandwidth_gbps']} GB/s, {ceilings['tflops']} TFLOP/s "
+                    f"({ceilings['source']})")
+        elif kind == "devices":
+            writer.set_tp(dict(writer.document["tp"], device_names=[name for _, name, _ in message[1]],
+                               environment_by_rank=[seen for _, _, seen in message[1]]))
+        elif kind == "correctness":
             writer.add_correctness(message[1])
-        elif message[0] == "failed" and found is None:
-            found = _harness_error(*message[2:])
+        elif kind == "result":
+            result, tp_row, timing_info = message[1], message[2], message[3]
+            self.timing_notes += [f"M={result['m']}: {note}" for note in timing_info["notes"]]
+            writer.set_timing({"method": timing_info["method"], "routings": self.routings, "notes": self.timing_notes})
+            writer.add_result(result)
+            writer.add_tp_result(tp_row)
+            cli.log(f"M={tp_row['m']} ({len(writer.document['tp_results'])}/{self.total}) layer "
+                    f"{tp_row['layer_us']:.1f} us: MoE {tp_row['moe_us']:.1f} us, all-reduce {tp_row['allreduce_us']:.1f} us "
+                    f"(bus {tp_row['busbw_gbps']:.3g} GB/s)")
+        elif kind == "failed":
+            _, rank, error_kind, text, exit_code, follows_a_peer = message
+            self.failures.append((follows_a_peer, _harness_error(error_kind, text, exit_code)))
+        elif kind == "done":
+            self.done = True
+        return True
+
+    def drain(self, messages) -> None:
+        while self.take(messages):
+            pass
+
+    def cause(self, exits: list) -> cli.HarnessError:
+        for follows_a_peer, error in self.failures:
+            if not follows_a_peer:
+                return error
+        # No rank said it failed on its own: one that died without a word is the likelier cause.
+        for rank, code in enumerate(exits):
+            if code not in (None, 0) and not any(f"rank {rank}" in str(error) for _, error in self.failures):
+                return cli.RuntimeFailure(
+                    f"rank {rank} on {self.devices[rank]} exited with code {code} without reporting why"
+                    + (f" (killed by signal {signal.Signals(-code).name})" if code < 0 else "")
+                    + "; the other ranks were stopped")
+        if self.failures:
+            return self.failures[0][1]
+        return cli.RuntimeFailure("a rank stopped without reporting why; the other ranks were stopped")
 
 
 def _harness_error(kind: str, text: str, exit_code: int) -> cli.HarnessError:

@@ -50,25 +50,23 @@ def assert_rows_close(out, ref, bound, what=""):
 
 
 def dequantize_from_layout(linear: quant.PackedLinear) -> torch.Tensor:
-    """W.T [E, K, N] in float64, read byte by byte from the stored tiles as quant.py's docstring
-    documents them, using none of quant's unpacking: row n's byte b lies at
+    """W.T [E, K, N] in float64, read from the stored tiles as quant.py's docstring documents
+    them, using none of quant's unpacking: row n's byte b lies at
     stored[e, n // 32, b // 32, n % 32, b % 32]; in a whole 32-value chunk c, byte 16c + j holds
     value 32c + j in its low nibble and 32c + 16 + j in its high nibble; a shorter last chunk of r
     values pairs value j with r / 2 + j; a value is its nibble minus 8 times its group's scale."""
     stored, scales, group = linear.packed, linear.scales.double(), linear.group_size
     experts, k, n = stored.shape[0], scales.shape[1] * group, scales.shape[2]
-    columns = torch.arange(n)
-    w = torch.full((experts, k, n), float("nan"), dtype=torch.float64)
+    column = torch.arange(n)[:, None]  # [N, 1]
+    byte_index = torch.arange(k // 2)[None, :]  # [1, K / 2]
+    byte = stored[:, column // 32, byte_index // 32, column % 32, byte_index % 32].long()  # [E, N, K / 2]
+    b = torch.arange(k // 2)
     whole_bytes = k // 32 * 16
-    for b in range(k // 2):
-        byte = stored[:, columns // 32, b // 32, columns % 32, b % 32].long()  # [E, N]
-        if b < whole_bytes:
-            low_k, high_k = 32 * (b // 16) + b % 16, 32 * (b // 16) + 16 + b % 16
-        else:
-            low_k = k // 32 * 32 + (b - whole_bytes)
-            high_k = low_k + (k % 32) // 2
-        w[:, low_k] = ((byte & 0xF) - 8).double() * scales[:, low_k // group]
-        w[:, high_k] = ((byte >> 4) - 8).double() * scales[:, high_k // group]
+    low_k = torch.where(b < whole_bytes, 32 * (b // 16) + b % 16, k // 32 * 32 + (b - whole_bytes))
+    high_k = torch.where(b < whole_bytes, low_k + 16, low_k + (k % 32) // 2)
+    w = torch.full((experts, k, n), float("nan"), dtype=torch.float64)
+    w[:, low_k] = ((byte & 0xF) - 8).double().transpose(1, 2) * scales[:, low_k // group]
+    w[:, high_k] = ((byte >> 4) - 8).double().transpose(1, 2) * scales[:, high_k // group]
     assert not bool(torch.isnan(w).any()), "some K value has no nibble: the index arithmetic above is wrong"
     return w
 
