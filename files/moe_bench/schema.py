@@ -7,7 +7,7 @@ a reader only ever sees the current layout.
 Writes are atomic (temporary file in the same folder, fsync, rename): a crash or a SIGKILL at
 any moment leaves either the previous complete document or the new one on disk, never a
 half-written file. The CSV beside it (same stem, .csv) carries the per-M rows; a tensor-parallel
-run (--tp-ranks) also writes its per-phase rows to STEM-tp.csv.
+run (--tp-ranks) also writes its per-phase rows to STEM-phases.csv.
 
 Version 2 added the tensor-parallel layer: config.tp_ranks, the `tp` section (ranks, the
 collective backend, the devices) and `tp_results` (per M: the shard's MoE, the all-reduce and
@@ -68,7 +68,7 @@ CONFIG_FIELDS = (
     "tp_ranks",  # None: one device; N: the layer over N ranks (each holding the --tp N shard)
 )
 
-# Columns of one M of a tensor-parallel run, in the order STEM-tp.csv shows them. Times are the
+# Columns of one M of a tensor-parallel run, in the order STEM-phases.csv shows them. Times are the
 # slowest rank's medians (the layer waits for it); the all-reduce moves allreduce_bytes per rank.
 # algbw = bytes / time; busbw = algbw * 2 (n - 1) / n, nccl-tests' bus bandwidth of an
 # all-reduce (the traffic each link carries in a ring), comparable across rank counts.
@@ -150,10 +150,10 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         os.close(dir_fd)
 
 
-def tp_csv_path_for(json_path: str | os.PathLike) -> Path:
-    """The per-phase CSV of a tensor-parallel run: same folder, STEM-tp.csv."""
+def phases_csv_path_for(json_path: str | os.PathLike) -> Path:
+    """The per-phase CSV of a tensor-parallel run: same folder, STEM-phases.csv."""
     path = Path(json_path)
-    return path.with_name(f"{path.stem}-tp.csv")
+    return path.with_name(f"{path.stem}-phases.csv")
 
 
 def results_csv_text(rows: list[dict[str, Any]], fields: tuple[str, ...] = RESULT_FIELDS) -> str:
@@ -211,7 +211,7 @@ class ResultsWriter:
         atomic_write_text(self.path, json.dumps(self.document, indent=2, sort_keys=False) + "\n")
         atomic_write_text(self.csv_path, results_csv_text(self.document["results"]))
         if self.document["tp"] is not None:
-            atomic_write_text(tp_csv_path_for(self.path), results_csv_text(self.document["tp_results"], TP_RESULT_FIELDS))
+            atomic_write_text(phases_csv_path_for(self.path), results_csv_text(self.document["tp_results"], TP_RESULT_FIELDS))
 
     def set_environment(self, environment: dict) -> None:
         self.document["environment"] = {field: environment.get(field) for field in ENVIRONMENT_FIELDS}

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moe_bench import backends, cli, presets, quant, tp
-from moe_bench.schema import SCHEMA_VERSION, load_results, tp_csv_path_for
+from moe_bench.schema import SCHEMA_VERSION, load_results, phases_csv_path_for
 
 from conftest import REPO_ROOT, payload_env
 from test_correctness import dequantize_from_layout, inputs, row_errors
@@ -138,7 +138,7 @@ def test_two_ranks_time_the_phases_and_check_the_sum(tmp_path):
     # `results` carries the shard's MoE (the slowest rank's), with its floor.
     assert [r["us"] for r in loaded["results"]] == [row["moe_us"] for row in rows]
     assert all(r["floor_us"] > 0 for r in loaded["results"])
-    with open(tp_csv_path_for(out), newline="") as handle:
+    with open(phases_csv_path_for(out), newline="") as handle:
         table = list(csv.DictReader(handle))
     assert [int(r["m"]) for r in table] == [1, 8] and len(table[0]["moe_us_by_rank"].split(";")) == 2
     assert "layer" in result.stdout and "all-reduce" in result.stdout
