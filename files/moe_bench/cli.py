@@ -202,6 +202,9 @@ def parse_settings(argv: list[str] | None) -> Settings:
         if args.tp not in (1, args.tp_ranks):
             parser.error(f"--tp {args.tp} with --tp-ranks {args.tp_ranks}: each rank holds the --tp-ranks shard, "
                          "leave --tp out")
+        if args.device not in ("cpu", "cuda:0"):
+            parser.error(f"--tp-ranks puts rank r on cuda:r of the visible GPUs, so --device {args.device} cannot "
+                         "choose them: give --device cuda:0 and CUDA_VISIBLE_DEVICES=<the GPUs>")
         args.tp = args.tp_ranks
     try:
         shape = presets.shard_shape(full, args.tp)

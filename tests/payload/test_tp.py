@@ -78,6 +78,16 @@ def test_arguments_of_the_tensor_parallel_run_are_checked(capsys):
     assert "leave --tp out" in capsys.readouterr().err
     assert cli.main(["--tp-ranks", "3", "--preset", "tiny", "--device", "cpu"]) == 2  # inter 128 / 3
     assert "not divisible by --tp 3" in capsys.readouterr().err
+    assert cli.main(["--tp-ranks", "2", "--device", "cuda:2"]) == 2
+    assert "CUDA_VISIBLE_DEVICES" in capsys.readouterr().err
+
+
+def test_preflight_reports_every_rank_against_the_per_rank_need(capsys):
+    assert cli.main(["--preflight", "--tp-ranks", "2", "--device", "cpu", "--backend", "torch", "--preset", "tiny"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert cli.main(["--estimate", "--tp-ranks", "2", "--device", "cpu", "--backend", "torch", "--preset", "tiny"]) == 0
+    assert report["need_mib"] == json.loads(capsys.readouterr().out)["total_mib"]
+    assert [rank["rank"] for rank in report["ranks"]] == [0, 1] and all(r["fits_now"] for r in report["ranks"])
 
 
 def test_cuda_ranks_without_cuda_devices_are_an_environment_failure(tmp_path, capsys):
