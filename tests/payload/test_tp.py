@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -179,42 +180,65 @@ def test_an_all_reduce_that_sums_nothing_is_stopped_before_timing(tmp_path):
     assert loaded["correctness"][-1]["ok"] is False and loaded["tp_results"] == [] and loaded["results"] == []
 
 
+def stuck_ranks(tmp_path, condition: str):
+    """Ranks whose timing of an M never returns when `condition` (on self.rank and m) holds, as
+    a rank waiting in an NCCL collective whose peer is gone would hang (gloo would notice the
+    closed connection itself, so a plain crash on the CPU proves nothing about the launcher)."""
+    return defect_folder(tmp_path, "import sys\n"
+                                   "if '--multiprocessing-fork' in sys.argv:  # the ranks alone\n"
+                                   "    import time\n"
+                                   "    from moe_bench import tp\n"
+                                   "    timed = tp._Rank.time_one_m\n"
+                                   "    def time_one_m(self, m):\n"
+                                   f"        if {condition}:\n"
+                                   "            time.sleep(120)  # bounded: a broken launcher leaves no rank for long\n"
+                                   "        return timed(self, m)\n"
+                                   "    tp._Rank.time_one_m = time_one_m\n")
+
+
 def test_a_rank_failing_mid_run_stops_the_others_and_keeps_the_finished_m(tmp_path):
+    """Rank 1 fails at M=8 while rank 0 hangs there: the launcher names rank 1's failure and
+    stops rank 0 within its grace period, not at the collective's timeout (15 min)."""
     out = tmp_path / "results.json"
     started = time.monotonic()
     result = tp_run("--tp-ranks", "2", "--m-list", TINY_M, "--out", str(out),
-                    env_extra={"MOE_BENCH_INTERNAL_FAIL_AT_M": "8"})
+                    env_extra={"MOE_BENCH_INTERNAL_FAIL_AT_M": "8"},
+                    path_first=stuck_ranks(tmp_path, "self.rank == 0 and m == 8"))
     assert result.returncode == 5, result.stdout + result.stderr
     assert "rank 1: injected failure at M=8" in result.stderr
     loaded = load_results(out)
     assert loaded["status"] == "failed" and loaded["error"]["exit_code"] == 5
     assert loaded["completed_m"] == [1] and [row["m"] for row in loaded["tp_results"]] == [1]
-    # Rank 0 was waiting for rank 1 in a collective: stopped within the grace period, not at
-    # the collective's own timeout (minutes).
     assert time.monotonic() - started < 60
 
 
 def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
+    """As the playbook does at the end of the benchmark's budget, with every rank hanging."""
     out = tmp_path / "results.json"
     env = payload_env()
+    env["PYTHONPATH"] = f"{stuck_ranks(tmp_path, 'True')}:{env['PYTHONPATH']}"
     process = subprocess.Popen([sys.executable, "-m", "moe_bench", "--device", "cpu", "--backend", "torch",
-                                "--preset", "tiny", "--tp-ranks", "2", "--m-list", "1,2,4,8,16,32,64,128",
-                                "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=env, cwd=REPO_ROOT)
+                                "--preset", "tiny", "--tp-ranks", "2", "--m-list", TINY_M, "--out", str(out)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
     deadline = time.monotonic() + 60
-    # Stopped once every rank has joined the process group (the devices are recorded then).
-    while time.monotonic() < deadline and not (out.exists() and (load_results(out)["tp"] or {}).get("device_names")):
+    # Every check done: the ranks are in their first timing, stuck.
+    while time.monotonic() < deadline and not (out.exists() and len(load_results(out)["correctness"]) == 3):
         time.sleep(0.2)
     children = children_of(process.pid)
-    process.send_signal(signal.SIGTERM)
-    _, err = process.communicate(timeout=30)
-    assert process.returncode == 5 and "stopped by signal SIGTERM" in err
-    assert load_results(out)["status"] == "failed"
-    assert len(children) >= 2  # the two ranks (and multiprocessing's resource tracker)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(alive(pid) for pid in children):
-        time.sleep(0.1)
-    assert not [pid for pid in children if alive(pid)], "a rank outlived its launcher"
+    try:
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+        assert process.returncode == 5 and "stopped by signal SIGTERM" in err
+        assert load_results(out)["status"] == "failed"
+        assert len(children) >= 2  # the two ranks (and multiprocessing's resource tracker)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(alive(pid) for pid in children):
+            time.sleep(0.1)
+        assert not [pid for pid in children if alive(pid)], "a rank outlived its launcher"
+    finally:  # what this test started, by pid, when the launcher failed to stop it
+        for pid in [process.pid, *children]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def children_of(pid: int) -> list[int]:
