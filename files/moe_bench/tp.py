@@ -199,6 +199,9 @@ class _Rank:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
+            if "OMP_NUM_THREADS" not in os.environ:
+                # N ranks share the cores: each taking all of them would oversubscribe N-fold.
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.ranks))
         self.dtype = getattr(torch, settings.dtype_name)
         self.phase = f"joining the {collective_backend(settings)} process group"
         dist.init_process_group(collective_backend(settings), init_method=f"file://{self.rendezvous}",
