@@ -48,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
     build.add_argument("--knee-growth", type=_fraction, default=DEFAULT_KNEE_GROWTH,
                        help="knee rule: time growth per doubling of M below which the plateau starts (default 0.10)")
     build.add_argument("--project-dir", type=Path, help="project checkout whose git commit the manifest records")
+    build.add_argument("--tp-results", type=Path,
+                       help="the tensor-parallel run's results JSON (default RUN_DIR/results-tp.json when it exists)")
     build.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     build.add_argument("--print", dest="print_format", choices=("text", "json"), default="text",
                        help="stdout: the console summary (text) or the headline and console lines (json)")
@@ -87,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             knee_growth=arguments.knee_growth,
             project_dir=arguments.project_dir,
             plots=not arguments.no_plots,
+            tp_results_path=arguments.tp_results,
         )
     except (OSError, ValueError) as error:
         print(

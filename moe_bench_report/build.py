@@ -19,11 +19,14 @@ from .figures import (
     per_token,
     readable,
     timed_rows,
+    tp_layer_rows,
 )
 from .manifest import build_manifest, launch_info, project_revision
 from .summary import console_lines, headline, markdown
 
 SUMMARY_SCHEMA = "moe_bench_report.summary"
+# Where the tensor-parallel run's results sit beside the one-GPU run's results.json.
+TP_RESULTS_NAME = "results-tp.json"
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 
 
@@ -77,6 +80,7 @@ def build_report(
     project_dir: str | os.PathLike | None = None,
     environ: dict | None = None,
     plots: bool = True,
+    tp_results_path: str | os.PathLike | None = None,
 ) -> dict:
     """Write manifest.json, summary.md, summary.json and the plots into `run_dir`, update the
     host's history.json and index.md and the results index; return the summary dict."""
@@ -167,12 +171,15 @@ def build_report(
         schema.atomic_write_text(host_dir / "index.md", history_module.host_index_markdown(history))
         schema.atomic_write_text(results_root / "index.md", history_module.results_index_markdown(results_root))
 
+    tp = _tensor_parallel(run_dir, document, rows, tp_results_path)
+
     files = {
         "manifest": str(run_dir / "manifest.json"),
         "summary_md": str(summary_md_path),
         "summary_json": str(run_dir / "summary.json"),
         "per_token_png": None,
         "total_time_png": None,
+        "tp_layer_png": None,
         "history": str(host_dir / "history.json"),
         "host_index": str(host_dir / "index.md"),
     }
@@ -195,6 +202,17 @@ def build_report(
         files["total_time_png"] = str(run_dir / "total_time.png")
         plot_per_token(Path(files["per_token_png"]), rows, context, knee, saturation, baseline_rows, slower_ms)
         plot_total_time(Path(files["total_time_png"]), rows, context, knee, saturation, baseline_rows, slower_ms)
+    if plots and tp and tp["per_m"]:
+        from .plots import plot_tp_layer
+
+        files["tp_layer_png"] = str(run_dir / "tp_layer.png")
+        plot_tp_layer(Path(files["tp_layer_png"]), tp["per_m"], {
+            "host": host,
+            "gpu": manifest["gpu"]["name"] or f"no GPU name ({manifest['gpu']['device'] or 'device unknown'})",
+            "config": tp["config_label"],
+            "run_id": run_id,
+            "single_gpu_config": tp["single_gpu_config_label"],
+        })
 
     summary = {
         "schema": SUMMARY_SCHEMA,
@@ -217,6 +235,7 @@ def build_report(
         },
         "regression": regression,
         "correctness": (document or {}).get("correctness") or [],
+        "tp": tp,
         "manifest": manifest,
         "files": files,
     }
@@ -225,6 +244,42 @@ def build_report(
     schema.atomic_write_text(summary_md_path, markdown(summary))
     schema.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _tensor_parallel(run_dir: Path, document: dict | None, rows: list[dict],
+                     tp_results_path: str | os.PathLike | None) -> dict | None:
+    """The tensor-parallel layer's part of the summary, or None without a tensor-parallel run:
+    from TP_RESULTS_NAME beside the results (or the path given), or from the results
+    themselves when they are a tensor-parallel run's; the one-GPU curve beside it is the
+    results' own when those are a one-device run's."""
+    path = Path(tp_results_path) if tp_results_path is not None else run_dir / TP_RESULTS_NAME
+    if path.exists() or tp_results_path is not None:
+        tp_document, load_error = _load(path)
+        single_rows = rows if document and not document.get("tp") else None
+        single_config = history_module.config_label(history_module.config_key(document)) if single_rows else None
+    elif document and document.get("tp"):
+        tp_document, load_error, single_rows, single_config = document, None, None, None
+        path = None
+    else:
+        return None
+    if tp_document is None:
+        return {"results_file": str(path), "load_error": load_error, "status": "unreadable", "per_m": [],
+                "ranks": None, "collective": None, "config_label": None, "single_gpu_config_label": single_config,
+                "correctness": [], "error": None}
+    setup = tp_document.get("tp") or {}
+    return {
+        "results_file": str(path) if path is not None else None,
+        "load_error": None,
+        "status": tp_document.get("status"),
+        "error": tp_document.get("error"),
+        "ranks": setup.get("ranks"),
+        "collective": setup.get("collective"),
+        "devices": setup.get("devices"),
+        "config_label": history_module.config_label(history_module.config_key(tp_document)),
+        "single_gpu_config_label": single_config,
+        "per_m": tp_layer_rows(tp_document, single_rows),
+        "correctness": tp_document.get("correctness") or [],
+    }
 
 
 def _ceilings_short(ceilings: dict | None) -> str:

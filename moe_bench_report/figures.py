@@ -103,6 +103,36 @@ def find_saturation(rows: Iterable[dict], knee: dict | None, growth: float = DEF
     return None
 
 
+def tp_layer_rows(tp_document: dict, single_rows: Iterable[dict] | None = None) -> list[dict]:
+    """Per M of a tensor-parallel run (tp_results): the whole layer's time, its MoE and
+    all-reduce parts, the all-reduce's share of the two, the all-reduce's bus bandwidth, and
+    the one-GPU run's time at the same M when one is given. The layer and each part are timed
+    on their own, so the parts need not add up to the layer exactly."""
+    single = {int(row["m"]): float(row["us"]) for row in single_rows or [] if _positive(row.get("us"))}
+    rows = []
+    for row in sorted(tp_document.get("tp_results") or [], key=lambda r: int(r["m"])):
+        if not all(_positive(row.get(key)) for key in ("layer_us", "moe_us", "allreduce_us")):
+            continue
+        m = int(row["m"])
+        moe, allreduce, layer = float(row["moe_us"]), float(row["allreduce_us"]), float(row["layer_us"])
+        one_gpu = single.get(m)
+        rows.append({
+            "m": m,
+            "ranks": row.get("ranks"),
+            "layer_us": layer,
+            "layer_us_p20": row.get("layer_us_p20"),
+            "layer_us_p80": row.get("layer_us_p80"),
+            "moe_us": moe,
+            "allreduce_us": allreduce,
+            "allreduce_share": allreduce / (moe + allreduce),
+            "busbw_gbps": row.get("busbw_gbps"),
+            "algbw_gbps": row.get("algbw_gbps"),
+            "single_gpu_us": one_gpu,
+            "layer_vs_single_gpu": layer / one_gpu if one_gpu else None,
+        })
+    return rows
+
+
 def per_token(row: dict) -> float:
     """Microseconds per token of one row (the payload's own figure when it gave one)."""
     value = row.get("us_per_token")

@@ -181,7 +181,9 @@ def build_manifest(
 ) -> dict[str, Any]:
     environment = (document or {}).get("environment") or {}
     plan = given.get("moe_bench_plan") if isinstance(given.get("moe_bench_plan"), dict) else None
-    fetched = {name: sha256_of(run_dir / name) for name in ("results.json", "results.csv", "bench.log")}
+    fetched = {name: sha256_of(run_dir / name)
+               for name in ("results.json", "results.csv", "bench.log", "results-tp.json", "results-tp.csv",
+                            "results-tp-phases.csv")}
     return {
         "schema": MANIFEST_SCHEMA,
         "version": REPORT_VERSION,

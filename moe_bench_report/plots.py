@@ -217,3 +217,56 @@ def plot_total_time(path: Path, rows: list[dict], context: dict, knee: dict | No
         figure.savefig(path, dpi=FIGURE_DPI)
     finally:
         plt.close(figure)
+
+
+MOE_COLOUR = "#1f77b4"
+ALLREDUCE_COLOUR = "#ff7f0e"
+LAYER_COLOUR = "#2ca02c"
+
+
+def plot_tp_layer(path: Path, rows: list[dict], context: dict) -> None:
+    """The tensor-parallel layer against M: on the left its time and its two parts (log-log)
+    beside the one-GPU run's curve; on the right the all-reduce's share of MoE + all-reduce,
+    the part a faster kernel cannot win back."""
+    ms = [row["m"] for row in rows]
+    ranks = rows[0].get("ranks") if rows else "?"
+    figure, (times, share) = plt.subplots(1, 2, figsize=FIGURE_SIZE_IN, dpi=FIGURE_DPI,
+                                          gridspec_kw={"width_ratios": [3, 2]})
+    try:
+        low = [float(row.get("layer_us_p20") or row["layer_us"]) for row in rows]
+        high = [float(row.get("layer_us_p80") or row["layer_us"]) for row in rows]
+        times.fill_between(ms, low, high, color=LAYER_COLOUR, alpha=0.18, linewidth=0, label="layer p20–p80")
+        times.plot(ms, [row["layer_us"] for row in rows], marker="o", color=LAYER_COLOUR, linewidth=2,
+                   label=f"layer on {ranks} ranks (MoE + all-reduce)")
+        times.plot(ms, [row["moe_us"] for row in rows], marker=".", color=MOE_COLOUR, linewidth=1.4,
+                   label="its MoE shard alone")
+        times.plot(ms, [row["allreduce_us"] for row in rows], marker=".", color=ALLREDUCE_COLOUR, linewidth=1.4,
+                   label="its all-reduce alone")
+        single = [(row["m"], row["single_gpu_us"]) for row in rows if row.get("single_gpu_us")]
+        if single:
+            times.plot([m for m, _ in single], [us for _, us in single], linestyle="--", marker="s", markersize=4,
+                       color=BASELINE_COLOUR, linewidth=1.4, label=f"one GPU ({context.get('single_gpu_config')})")
+        _time_axis(times, "time per batch (µs, log scale)")
+        # Head room above the curves for the legend.
+        times.set_ylim(top=max(high + [row["single_gpu_us"] or 0 for row in rows]) * 4)
+        _m_axis(times, ms)
+        times.legend(loc="upper left", fontsize=8, framealpha=0.9)
+        times.set_title(f"Layer time on {ranks} ranks: {context['host']} · {context['gpu']}\n"
+                        f"{context['config']} · run {context['run_id']}", fontsize=10)
+        shares = [100.0 * row["allreduce_share"] for row in rows]
+        share.bar(range(len(ms)), [100.0 - value for value in shares], color=MOE_COLOUR, label="MoE")
+        share.bar(range(len(ms)), shares, bottom=[100.0 - value for value in shares], color=ALLREDUCE_COLOUR,
+                  label="all-reduce")
+        for index, value in enumerate(shares):
+            share.annotate(f"{value:.0f}%", xy=(index, 100.0 - value / 2), ha="center", va="center", fontsize=8)
+        share.set_xticks(range(len(ms)), [str(m) for m in ms])
+        share.set_xlabel("M: tokens in the batch")
+        share.set_ylim(0, 115)  # the legend above the bars
+        share.set_yticks(range(0, 101, 20))
+        share.set_ylabel("share of MoE + all-reduce time (%)")
+        share.set_title("Split of the layer's time\n(labels: the all-reduce's share)", fontsize=10)
+        share.legend(loc="upper center", ncol=2, fontsize=8, framealpha=0.9)
+        figure.tight_layout()
+        figure.savefig(path, dpi=FIGURE_DPI)
+    finally:
+        plt.close(figure)

@@ -178,14 +178,10 @@ def markdown(summary: dict) -> str:
         ]
     else:
         lines += ["No M value was timed in this run.", ""]
+    if summary.get("tp"):
+        lines += tp_markdown(summary["tp"])
     if summary.get("correctness"):
-        lines += ["## Correctness", "", "| M | relative error | bound | ok |", "|---:|---:|---:|---|"]
-        for check in summary["correctness"]:
-            lines.append(
-                f"| {check.get('m')} | {_num(check.get('rel_err'), '{:.2e}')} | {_num(check.get('bound'), '{:.2e}')} | "
-                f"{'yes' if check.get('ok') else '**NO**'} |"
-            )
-        lines.append("")
+        lines += correctness_markdown(summary["correctness"], "## Correctness")
     lines += [
         "## Files",
         "",
@@ -194,6 +190,55 @@ def markdown(summary: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def correctness_markdown(checks: list[dict], heading: str) -> list[str]:
+    lines = [heading, "", "| M | relative error | worst row (its error) | bound per row | ok |",
+             "|---:|---:|---:|---:|---|"]
+    for check in checks:
+        worst = check.get("worst_row_rel_err")
+        worst_text = "–" if worst is None else f"{check.get('worst_row')} ({worst:.2e})"
+        lines.append(
+            f"| {check.get('m')} | {_num(check.get('rel_err'), '{:.2e}')} | {worst_text} | "
+            f"{_num(check.get('bound'), '{:.2e}')} | {'yes' if check.get('ok') else '**NO**'} |"
+        )
+    return lines + [""]
+
+
+def tp_markdown(tp: dict) -> list[str]:
+    """The tensor-parallel layer: its time split into MoE and all-reduce per M, beside the
+    one-GPU run's time."""
+    lines = [f"## Tensor-parallel layer: {tp.get('ranks') or '?'} ranks ({tp.get('collective') or 'unknown'})", ""]
+    if tp.get("load_error"):
+        return lines + [f"**The tensor-parallel results could not be read:** {tp['load_error']}", ""]
+    status = f"- **Status:** {tp.get('status')}"
+    if tp.get("error"):
+        status += f" ({tp['error']['kind']}: {tp['error']['message']})"
+    lines += [status, f"- **Configuration:** {tp.get('config_label')}",
+              f"- **One-GPU curve:** {tp.get('single_gpu_config_label') or 'no one-GPU run beside it'}", ""]
+    if not tp["per_m"]:
+        return lines + ["No M value was timed on the ranks.", ""]
+    lines += ["| M | layer us | MoE us | all-reduce us | all-reduce share | bus GB/s | one GPU us | layer / one GPU |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in tp["per_m"]:
+        lines.append(
+            f"| {row['m']} | {row['layer_us']:,.1f} | {row['moe_us']:,.1f} | {row['allreduce_us']:,.1f} | "
+            f"{row['allreduce_share'] * 100:.1f}% | {_num(row['busbw_gbps'], '{:,.3g}')} | "
+            f"{_num(row['single_gpu_us'], '{:,.1f}')} | {_num(row['layer_vs_single_gpu'], '{:.2f}x')} |"
+        )
+    lines += [
+        "",
+        "Layer = the shard's MoE then the all-reduce of its output (activation dtype), timed as one; MoE and all-reduce "
+        "are each timed alone (the slowest rank's median), so they need not add up to the layer. "
+        "All-reduce share = all-reduce / (MoE + all-reduce). Bus bandwidth as nccl-tests define it: "
+        "bytes / time x 2 (n - 1) / n.",
+        "",
+        "![tensor-parallel layer against M](tp_layer.png)",
+        "",
+    ]
+    if tp.get("correctness"):
+        lines += correctness_markdown(tp["correctness"], "### Correctness of the reduced output (whole layer)")
+    return lines
 
 
 def launch_text(launch: dict) -> str:
@@ -234,6 +279,15 @@ def console_lines(summary: dict) -> list[str]:
     lines.append(f"Knee: {knee_sentence(summary['knee'], summary['knee_rule'], len(summary['per_m']))}.")
     if summary.get("saturation"):
         lines.append(f"Saturation: {saturation_sentence(summary['saturation'], summary['knee'])}.")
+    tp = summary.get("tp")
+    if tp and tp.get("per_m"):
+        lines.append(f"Tensor-parallel layer on {tp['ranks']} ranks ({tp['status']}):")
+        lines.append(f"{'M':>6} {'layer us':>10} {'MoE us':>10} {'allred us':>10} {'share':>6} {'bus GB/s':>9}")
+        for row in tp["per_m"]:
+            lines.append(f"{row['m']:>6} {row['layer_us']:>10.1f} {row['moe_us']:>10.1f} {row['allreduce_us']:>10.1f} "
+                         f"{row['allreduce_share'] * 100:>5.1f}% {_num(row['busbw_gbps'], '{:.3g}'):>9}")
+    elif tp:
+        lines.append(f"Tensor-parallel run: {tp.get('status')}" + (f" ({tp['load_error']})" if tp.get("load_error") else ""))
     lines.append(f"Downtime: {downtime_sentence(manifest['timeline'])}.")
     lines.append(regression_sentence(regression))
     lines.append(f"summary: {summary['files']['summary_md']}")
@@ -265,4 +319,9 @@ def headline(summary: dict) -> dict:
         "regression_at_m": [item["m"] for item in regression["slower"]],
         "baseline_run_id": regression.get("baseline_run_id"),
         "summary_md": summary["files"]["summary_md"],
+        "tp_ranks": (summary.get("tp") or {}).get("ranks"),
+        "tp_layer_us_per_m": {str(row["m"]): round(row["layer_us"], 1) for row in (summary.get("tp") or {}).get("per_m") or []},
+        "tp_allreduce_share_per_m": {
+            str(row["m"]): round(row["allreduce_share"], 3) for row in (summary.get("tp") or {}).get("per_m") or []
+        },
     }

@@ -69,6 +69,10 @@ def preflight_report(settings) -> dict:
         count = torch.cuda.device_count()
         if index >= count:
             raise PreflightFailure(f"{settings.device} requested but only {count} CUDA device(s) are visible")
+        ranks = getattr(settings.args, "tp_ranks", None)
+        if ranks and count < ranks:
+            raise PreflightFailure(f"--tp-ranks {ranks} needs {ranks} CUDA devices (one per rank) but {count} are "
+                                   "visible; set CUDA_VISIBLE_DEVICES to the GPUs to use or lower --tp-ranks")
         try:
             free_bytes, total_bytes = torch.cuda.mem_get_info(index)
         except RuntimeError as error:
@@ -81,7 +85,7 @@ def preflight_report(settings) -> dict:
             f"the run needs {need_mib} MiB but {device} ({device_name}) has {total_mib} MiB in all: "
             "choose a smaller shape, --m-list, or a larger --tp"
         )
-    return {
+    report = {
         "ok": True,
         "device": device,
         "device_name": device_name,
@@ -93,6 +97,24 @@ def preflight_report(settings) -> dict:
         "triton": triton_version,
         "backend": backend,
     }
+    ranks = getattr(settings.args, "tp_ranks", None)
+    if ranks:
+        # need_mib is per rank; every rank's GPU is reported (free memory is information only).
+        report["ranks"] = [_rank_memory(torch, rank, need_mib, settings.device_kind) for rank in range(ranks)]
+    return report
+
+
+def _rank_memory(torch, rank: int, need_mib: int, device_kind: str) -> dict:
+    if device_kind == "cpu":
+        free_mib, total_mib = _cpu_memory_mib()
+        return {"rank": rank, "device": "cpu", "free_mib": int(free_mib), "total_mib": int(total_mib),
+                "fits_now": bool(free_mib >= need_mib)}
+    free_bytes, total_bytes = torch.cuda.mem_get_info(rank)
+    if need_mib > total_bytes // MIB:
+        raise PreflightFailure(f"each rank needs {need_mib} MiB but cuda:{rank} has {total_bytes // MIB} MiB in all: "
+                               "choose a smaller shape or --m-list")
+    return {"rank": rank, "device": f"cuda:{rank}", "free_mib": int(free_bytes // MIB),
+            "total_mib": int(total_bytes // MIB), "fits_now": bool(free_bytes // MIB >= need_mib)}
 
 
 def run_preflight(settings) -> int:

@@ -6,7 +6,14 @@ a reader only ever sees the current layout.
 
 Writes are atomic (temporary file in the same folder, fsync, rename): a crash or a SIGKILL at
 any moment leaves either the previous complete document or the new one on disk, never a
-half-written file. The CSV beside it (same stem, .csv) carries the per-M rows.
+half-written file. The CSV beside it (same stem, .csv) carries the per-M rows; a tensor-parallel
+run (--tp-ranks) also writes its per-phase rows to STEM-phases.csv.
+
+Version 2 added the tensor-parallel layer: config.tp_ranks, the `tp` section (ranks, the
+collective backend, the devices) and `tp_results` (per M: the shard's MoE, the all-reduce and
+the whole layer, and the all-reduce's bus bandwidth); correctness checks name their worst row.
+In a tensor-parallel run `results` holds the shard's MoE per M (the slowest rank's), so every
+reader of `results` keeps working.
 
 Only the standard library is imported here, so the controller can load results without torch.
 """
@@ -23,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 SCHEMA_NAME = "moe_bench.results"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 STATUSES = ("running", "complete", "failed")
 ERROR_KINDS = ("environment", "correctness", "runtime")
@@ -58,6 +65,31 @@ CONFIG_FIELDS = (
     "dtype",
     "m_list",
     "seed",
+    "tp_ranks",  # None: one device; N: the layer over N ranks (each holding the --tp N shard)
+)
+
+# Columns of one M of a tensor-parallel run, in the order STEM-phases.csv shows them. Times are the
+# slowest rank's medians (the layer waits for it); the all-reduce moves allreduce_bytes per rank.
+# algbw = bytes / time; busbw = algbw * 2 (n - 1) / n, nccl-tests' bus bandwidth of an
+# all-reduce (the traffic each link carries in a ring), comparable across rank counts.
+TP_RESULT_FIELDS = (
+    "m",
+    "ranks",
+    "layer_us",
+    "layer_us_p20",
+    "layer_us_p80",
+    "moe_us",
+    "moe_us_p20",
+    "moe_us_p80",
+    "allreduce_us",
+    "allreduce_us_p20",
+    "allreduce_us_p80",
+    "allreduce_bytes",
+    "algbw_gbps",
+    "busbw_gbps",
+    "moe_us_by_rank",
+    "allreduce_us_by_rank",
+    "samples",
 )
 TOP_LEVEL_FIELDS = (
     "schema",
@@ -118,13 +150,26 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         os.close(dir_fd)
 
 
-def results_csv_text(rows: list[dict[str, Any]]) -> str:
+def phases_csv_path_for(json_path: str | os.PathLike) -> Path:
+    """The per-phase CSV of a tensor-parallel run: same folder, STEM-phases.csv."""
+    path = Path(json_path)
+    return path.with_name(f"{path.stem}-phases.csv")
+
+
+def results_csv_text(rows: list[dict[str, Any]], fields: tuple[str, ...] = RESULT_FIELDS) -> str:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(RESULT_FIELDS), extrasaction="ignore", lineterminator="\n")
+    writer = csv.DictWriter(buffer, fieldnames=list(fields), extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({field: row.get(field) for field in RESULT_FIELDS})
+        writer.writerow({field: _csv_cell(row.get(field)) for field in fields})
     return buffer.getvalue()
+
+
+def _csv_cell(value):
+    # Per-rank lists as one cell a spreadsheet keeps whole: 12.5;13.1
+    if isinstance(value, list):
+        return ";".join(str(item) for item in value)
+    return value
 
 
 def new_document(environment: dict, config: dict, ceilings: dict | None = None) -> dict:
@@ -142,6 +187,8 @@ def new_document(environment: dict, config: dict, ceilings: dict | None = None) 
         "compile_seconds": 0.0,
         "timing": None,
         "results": [],
+        "tp": None,
+        "tp_results": [],
     }
 
 
@@ -163,6 +210,8 @@ class ResultsWriter:
             return
         atomic_write_text(self.path, json.dumps(self.document, indent=2, sort_keys=False) + "\n")
         atomic_write_text(self.csv_path, results_csv_text(self.document["results"]))
+        if self.document["tp"] is not None:
+            atomic_write_text(phases_csv_path_for(self.path), results_csv_text(self.document["tp_results"], TP_RESULT_FIELDS))
 
     def set_environment(self, environment: dict) -> None:
         self.document["environment"] = {field: environment.get(field) for field in ENVIRONMENT_FIELDS}
@@ -191,6 +240,18 @@ class ResultsWriter:
         self._update_compile_seconds()
         self.write()
 
+    def set_tp(self, tp: dict) -> None:
+        """The tensor-parallel run's set-up: ranks, collective backend, devices, environment."""
+        self.document["tp"] = dict(tp)
+        self.write()
+
+    def add_tp_result(self, row: dict) -> None:
+        missing = [field for field in TP_RESULT_FIELDS if field not in row]
+        if missing:
+            raise ValueError(f"tensor-parallel result row lacks {missing}")
+        self.document["tp_results"].append({field: row[field] for field in TP_RESULT_FIELDS})
+        self.write()
+
     def _update_compile_seconds(self) -> None:
         # First calls compile: the correctness check's (one per tile config, before timing) and
         # each timed M's untimed first call.
@@ -214,7 +275,19 @@ class ResultsWriter:
 
 # Upgrades from version N to N + 1, applied in order by load_results. A schema change adds one
 # entry here and bumps SCHEMA_VERSION; old files on controllers keep loading.
-_UPGRADES: dict[int, Callable[[dict], dict]] = {}
+def _v1_to_v2(document: dict) -> dict:
+    """Version 1 had no tensor-parallel run and judged correctness by one norm only."""
+    document.setdefault("tp", None)
+    document.setdefault("tp_results", [])
+    if isinstance(document.get("config"), dict):
+        document["config"].setdefault("tp_ranks", None)
+    for check in document.get("correctness") or []:
+        check.setdefault("worst_row_rel_err", None)
+        check.setdefault("worst_row", None)
+    return document
+
+
+_UPGRADES: dict[int, Callable[[dict], dict]] = {1: _v1_to_v2}
 
 
 def upgrade_document(document: dict) -> dict:
@@ -242,6 +315,10 @@ def upgrade_document(document: dict) -> dict:
         lacking = [field for field in RESULT_FIELDS if field not in row]
         if lacking:
             raise ResultsFormatError(f"result row for m={row.get('m')!r} lacks {lacking}")
+    for row in document.get("tp_results") or []:
+        lacking = [field for field in TP_RESULT_FIELDS if field not in row]
+        if lacking:
+            raise ResultsFormatError(f"tensor-parallel result row for m={row.get('m')!r} lacks {lacking}")
     return document
 
 

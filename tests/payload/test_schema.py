@@ -41,7 +41,7 @@ def test_round_trip_through_the_loader(tmp_path):
     assert loaded["status"] == "complete"
     assert loaded["finished_at"].endswith("Z")
     assert loaded["environment"] == ENVIRONMENT
-    assert loaded["config"] == CONFIG
+    assert loaded["config"] == dict(CONFIG, tp_ranks=None)  # given for one device: None
     assert loaded["ceilings"]["source"] == "measured"
     assert loaded["correctness"][0]["ok"] is True
     assert [r["m"] for r in loaded["results"]] == [1, 2, 4]
@@ -123,15 +123,16 @@ def test_loader_upgrades_older_versions_through_the_chain(tmp_path, monkeypatch)
     writer = schema.ResultsWriter(old, ENVIRONMENT, CONFIG)
     writer.add_result(row(2))
 
-    def v1_to_v2(document):
+    def to_next_version(document):
         for r in document["results"]:
             r["ns_per_token"] = r["us_per_token"] * 1000
         return document
 
-    monkeypatch.setattr(schema, "SCHEMA_VERSION", 2)
-    monkeypatch.setitem(schema._UPGRADES, 1, v1_to_v2)
+    current = schema.SCHEMA_VERSION
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", current + 1)
+    monkeypatch.setitem(schema._UPGRADES, current, to_next_version)
     loaded = schema.load_results(old)
-    assert loaded["schema_version"] == 2
+    assert loaded["schema_version"] == current + 1
     assert loaded["results"][0]["ns_per_token"] == 100_000.0
 
 
@@ -149,3 +150,53 @@ def test_loader_runs_without_torch(tmp_path):
                             env=dict(os.environ, PYTHONPATH=files_dir), timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[1]"
+
+
+REAL_V1 = os.path.join(os.path.dirname(__file__), "..", "fixtures", "h200", "h200_kimi-k2.6_triton.json")
+
+
+def test_a_version_1_file_of_a_real_run_loads_in_the_current_layout():
+    with open(REAL_V1, encoding="utf-8") as handle:
+        raw = json.load(handle)
+    assert raw["schema_version"] == 1 and "tp" not in raw and "tp_ranks" not in raw["config"]
+    loaded = schema.load_results(REAL_V1)
+    assert loaded["schema_version"] == schema.SCHEMA_VERSION == 2
+    assert loaded["tp"] is None and loaded["tp_results"] == [] and loaded["config"]["tp_ranks"] is None
+    assert all(c["worst_row_rel_err"] is None and c["worst_row"] is None for c in loaded["correctness"])
+    assert [r["m"] for r in loaded["results"]] == [r["m"] for r in raw["results"]]
+    assert loaded["results"][0] == raw["results"][0]
+
+
+def tp_row(m: int) -> dict:
+    return {"m": m, "ranks": 4, "layer_us": 30.0 * m, "layer_us_p20": 29.0 * m, "layer_us_p80": 31.0 * m,
+            "moe_us": 20.0 * m, "moe_us_p20": 19.0 * m, "moe_us_p80": 21.0 * m, "allreduce_us": 10.0,
+            "allreduce_us_p20": 9.0, "allreduce_us_p80": 11.0, "allreduce_bytes": 14336 * m,
+            "algbw_gbps": 1.4336 * m, "busbw_gbps": 2.1504 * m, "moe_us_by_rank": [20.0 * m, 19.5 * m, 19.0 * m, 18.0 * m],
+            "allreduce_us_by_rank": [10.0, 9.9, 9.8, 9.7], "samples": 100}
+
+
+def test_a_tensor_parallel_run_round_trips_with_its_phase_csv(tmp_path):
+    path = tmp_path / "results-tp.json"
+    writer = schema.ResultsWriter(path, ENVIRONMENT, dict(CONFIG, tp=4, tp_ranks=4))
+    assert not schema.phases_csv_path_for(path).exists()  # one-device runs write no phase CSV
+    writer.set_tp({"ranks": 4, "collective": "nccl", "devices": ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]})
+    for m in (1, 2):
+        writer.add_result(row(m))
+        writer.add_tp_result(tp_row(m))
+    writer.complete()
+    loaded = schema.load_results(path)
+    assert loaded["config"]["tp_ranks"] == 4 and loaded["tp"]["collective"] == "nccl"
+    assert loaded["tp_results"] == [tp_row(1), tp_row(2)]
+    phases = schema.phases_csv_path_for(path)
+    assert phases.name == "results-tp-phases.csv"
+    with open(phases, newline="") as handle:
+        table = list(csv.DictReader(handle))
+    assert list(table[0]) == list(schema.TP_RESULT_FIELDS)
+    assert table[1]["moe_us_by_rank"] == "40.0;39.0;38.0;36.0" and float(table[1]["busbw_gbps"]) == 4.3008
+    with pytest.raises(ValueError, match="lacks"):
+        writer.add_tp_result({"m": 4})
+    document = json.loads(path.read_text())
+    document["tp_results"][0].pop("busbw_gbps")
+    path.write_text(json.dumps(document))
+    with pytest.raises(schema.ResultsFormatError, match="tensor-parallel result row for m=1 lacks"):
+        schema.load_results(path)
