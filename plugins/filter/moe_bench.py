@@ -4,67 +4,7 @@ moe_bench_inputs: the one place that gives every input its type (AWX sends surve
 
 from __future__ import annotations
 
-DOCUMENTATION = r"""
----
-name: moe_bench_plan
-short_description: Compute every timeout of a benchmark run from its budgets
-description:
-  - Takes the budgets (seconds) and returns the run id, the async time limit, the retry counts of every
-    poll loop, the planned downtime, the dead-man delay and the lock's time to live.
-  - Raises a clear error for a missing, non-numeric, non-positive or inconsistent value, so a bad
-    input stops the play before any host is touched.
-  - The dead-man deadline (deadman_delay_s) covers the longest legitimate run - the unit's real stop
-    (the longer of the configured stop timeout and the unit's own TimeoutStopSec, plus the stop
-    margin), every memory wait, the benchmark's async limit and one poll to notice its end, the load
-    budget and one health poll, the settle period - plus the dead-man margin.
-  - Companion filters - C(moe_bench_m_list) (validate an M list given as a list or C("1,2,4")),
-    C(moe_bench_run_id) (a run id C(YYYYmmddTHHMMSSZ-xxxxxx) for a given epoch), C(moe_bench_check)
-    (the refusal message of a plan or M list, empty when valid), C(moe_bench_timespan_s) (a systemd
-    timespan in seconds) and
-    C(moe_bench_inputs) (check the inputs against a role's argument spec and give them their types -
-    C("0,1") becomes C([0, 1]), C("true") C(true), C("1800") C(1800), as the command line's typed values;
-    returns C(inputs), without the options marked C(no_log), and C(errors), each naming its variable).
-options:
-  _input:
-    description:
-      - The budgets, in seconds - bench_budget_s, async_margin_s, poll_interval_s, stop_timeout_s,
-        load_budget_s, health_poll_s, vram_wait_s, vram_interval_s, deadman_margin_s, lock_ttl_margin_s.
-      - Optional - stop_margin_s (default 0), unit_stop_timeout_s (the unit's own TimeoutStopSec as
-        read on the host, a systemd timespan such as C(1min 30s) or seconds; C(infinity) or absent
-        means the configured stop timeout alone), settle_s (default 0), vram_waits (how many memory
-        waits the run may make, 2 when leftovers may be killed and the memory waited for again;
-        default 1).
-      - The margins may be 0, every other value must be more than 0. Numeric strings are accepted.
-      - Errors name the variable the operator sets (C(moe_bench_bench_budget_s), not C(bench_budget_s)).
-    type: dict
-    required: true
-  now_epoch:
-    description: The time of the plan (seconds since the epoch, UTC). Default is now.
-    type: float
-"""
-
-EXAMPLES = r"""
-- name: Plan the run
-  ansible.builtin.set_fact:
-    bench_plan: "{{ {'bench_budget_s': 600, 'async_margin_s': 120, 'poll_interval_s': 10,
-                     'stop_timeout_s': 120, 'load_budget_s': 900, 'health_poll_s': 10,
-                     'vram_wait_s': 120, 'vram_interval_s': 5, 'deadman_margin_s': 600,
-                     'lock_ttl_margin_s': 600} | moe_bench_plan }}"
-
-- name: Validate the M list
-  ansible.builtin.set_fact:
-    m_list: "{{ '1,2,4,8' | moe_bench_m_list }}"
-"""
-
-RETURN = r"""
-_value:
-  description:
-    - run_id, started_at (ISO 8601, UTC), started_epoch, every input as given (normalised to int or float),
-      async_limit_s, poll_retries, health_retries, vram_retries, stop_s (the stop timeout in force),
-      stop_corrected_from_unit (the unit's TimeoutStopSec was longer than the configured one),
-      stop_wait_s, planned_downtime_s, deadman_delay_s, lock_ttl_s.
-  type: dict
-"""
+# Each filter's documentation is the YAML file of its name beside this one (ansible-doc -t filter NAME).
 
 import math
 import os
