@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -796,6 +797,12 @@ TILE_TABLE: list[tuple[int, dict]] = [
 ]
 
 
+# The presets' shipped tables, by layer shape (see "Tiles by shape and device" below);
+# kimi-k2.6's is TILE_TABLE itself (a tuning script that edits TILE_TABLE in place edits it).
+PRESET_TABLES: dict[quant.MoEShape, list[tuple[int, dict]]] = {
+    quant.MoEShape(experts=384, hidden=7168, inter=2048, topk=8, group_size=32): TILE_TABLE,
+}
+
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -839,8 +846,116 @@ def _fit(gemm: dict, k: int, n: int, group: int) -> dict:
     return dict(gemm, bn=bn, bk=bk, split=split, asm=bool(gemm.get("asm", False)))
 
 
+# ---------------------------------------------------------------------------
+# Tiles by shape and device
+# ---------------------------------------------------------------------------
+#
+# TILE_TABLE was chosen at the kimi-k2.6 shape, where what decides each M's path is how many
+# of its (token, expert) slots share an expert: the one-row kernels pay per slot (each slot
+# streams its expert's weights; grouped by expert a second slot finds them in L2 if they fit),
+# the tensor-core kernels per block of block_m rows of one expert (padding included). So
+# another shape takes kimi-k2.6's rows at the M with the same slots per expert
+# (M * topk / experts), with two device-dependent limits read at run time (device_limits):
+#   - the one-row kernels stop where slots start to share an expert (about 0.34 per expert)
+#     when one expert's GEMM1 weights would not sit in half the L2: a second slot of that
+#     expert then reads them from DRAM again;
+#   - the one-row kernels' GEMM1 takes bn 32 instead of 64 when bn 64 would give fewer than
+#     four programs per SM (small shards: --tp 8), and a tensor-core row's stages drop until
+#     its pipelined tiles fit the device's shared memory.
+# Presets get their own shipped tables (PRESET_TABLES, chosen on an H200 with
+# tools/shape_sweep.py); any other shape takes the rule.
+
+KIMI_SHAPE = quant.MoEShape(experts=384, hidden=7168, inter=2048, topk=8, group_size=32)
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What the tile choice reads off the GPU at run time."""
+
+    name: str
+    capability: tuple[int, int]
+    sm_count: int
+    smem_per_block: int  # bytes of shared memory one block may have (the opt-in maximum)
+    l2_bytes: int
+
+
+# An H200, for choices made without a device (the CPU, tools that only compile).
+H200_LIMITS = DeviceLimits("NVIDIA H200 (assumed)", (9, 0), 132, 232448, 50 * 1024 * 1024)
+
+
+def device_limits(device) -> DeviceLimits | None:
+    """The GPU's SM count, shared memory per block and L2 size; None off a CUDA device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    smem = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+    if not smem:
+        try:
+            smem = int(triton.runtime.driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"])
+        except Exception:
+            smem = 48 * 1024  # what every CUDA GPU allows without opting in
+    return DeviceLimits(props.name, (props.major, props.minor), props.multi_processor_count, smem,
+                        int(getattr(props, "L2_cache_size", 0) or 0))
+
+
+def _stage_bytes(block_m: int, g: dict, gate_up: bool) -> int:
+    """Shared memory of one pipeline stage of a tensor-core GEMM: the activation tile (bf16),
+    the packed weight bytes and the scales (an upper estimate: the compiler may keep one
+    stage fewer in shared memory)."""
+    columns = g["bn"] * (2 if gate_up else 1)
+    return block_m * g["bk"] * 2 + g["bk"] // 2 * columns + g["bk"] // 32 * columns * 2
+
+
+def fit_to_device(cfg: dict, limits: DeviceLimits | None, shape: quant.MoEShape, m: int) -> dict:
+    """A table row's configuration adjusted to the device (see the section comment)."""
+    if limits is None:
+        return cfg
+    cfg = dict(cfg)
+    if cfg["g1"].get("gemv"):
+        g1 = cfg["g1"]
+        while g1["bn"] > 32 and m * shape.topk * (shape.inter // g1["bn"]) < 4 * limits.sm_count \
+                and shape.inter % (g1["bn"] // 2) == 0:
+            g1 = dict(g1, bn=g1["bn"] // 2)
+        cfg["g1"] = g1
+        return cfg
+    for which, gate_up in (("g1", True), ("g2", False)):
+        g = cfg[which]
+        while g["stages"] > 2 and g["stages"] * _stage_bytes(cfg["block_m"], g, gate_up) > limits.smem_per_block:
+            g = dict(g, stages=g["stages"] - 1)
+        cfg[which] = g
+    return cfg
+
+
+def rule_table(shape: quant.MoEShape, limits: DeviceLimits | None = None) -> list[tuple[int, dict]]:
+    """TILE_TABLE moved to this shape's M: each row at the M with the same slots per expert
+    as at kimi-k2.6 (see the section comment); empty rows dropped."""
+    limits = limits or H200_LIMITS
+    scale = (shape.experts / shape.topk) / (KIMI_SHAPE.experts / KIMI_SHAPE.topk)
+    expert_gemm1_bytes = 2 * shape.inter * shape.hidden // 2
+    one_row_slots_per_expert = None if expert_gemm1_bytes <= limits.l2_bytes // 2 else 0.34
+    table, previous = [], 0
+    for limit, entry in TILE_TABLE:
+        if limit >= 1 << 62:
+            table.append((limit, entry))
+            break
+        if entry["g1"].get("gemv") and one_row_slots_per_expert is not None:
+            limit = min(limit, int(one_row_slots_per_expert * KIMI_SHAPE.experts / KIMI_SHAPE.topk))
+        moved = max(1, round(limit * scale))
+        if moved > previous:
+            table.append((moved, entry))
+            previous = moved
+    return table
+
+
+def table_for(shape: quant.MoEShape, limits: DeviceLimits | None = None) -> list[tuple[int, dict]]:
+    """The shipped table of a preset's shape, else the rule's (rule_table)."""
+    table = PRESET_TABLES.get(shape)
+    return table if table is not None else rule_table(shape, limits)
+
+
 def _config_for(shape: quant.MoEShape, m: int, table=None) -> dict:
-    table = TILE_TABLE if table is None else table
+    table = table_for(shape) if table is None else table
     for limit, entry in table:
         if m <= limit:
             break
@@ -851,10 +966,12 @@ def _config_for(shape: quant.MoEShape, m: int, table=None) -> dict:
     )
 
 
-def tile_configs(shape: quant.MoEShape, m_list) -> dict[int, dict]:
-    """The tile configuration each M runs with at this shape."""
+def tile_configs(shape: quant.MoEShape, m_list, limits: DeviceLimits | None = None) -> dict[int, dict]:
+    """The tile configuration each M runs with at this shape (on a device with these limits:
+    fit_to_device; none given, as the table has it)."""
     _check_shape(shape)
-    return {int(m): _config_for(shape, int(m)) for m in m_list}
+    table = table_for(shape, limits)
+    return {int(m): fit_to_device(_config_for(shape, int(m), table), limits, shape, int(m)) for m in m_list}
 
 
 def _padded_rows(shape: quant.MoEShape, m: int, block_m: int) -> int:
@@ -885,7 +1002,7 @@ def _split_partial_elems(shape: quant.MoEShape, m: int, block_m: int, g1: dict, 
 
 def _max_split_elems(shape: quant.MoEShape, m: int, table=None) -> tuple[int, int]:
     """The largest split-K partial buffers any table row that covers some M <= m needs."""
-    table = TILE_TABLE if table is None else table
+    table = table_for(shape) if table is None else table
     g1_max = g2_max = 0
     for limit, entry in table:
         covered = min(limit, m)
@@ -918,14 +1035,15 @@ def _word_order_elems(shape: quant.MoEShape, m: int) -> tuple[int, int]:
 
 def workspace_bytes(shape: quant.MoEShape, m: int, dtype_bytes: int = 2) -> int:
     """Device bytes of the workspace for up to m tokens, output excluded."""
-    block_m = _max_block_m(m)
+    table = table_for(shape)
+    block_m = _max_block_m(m, table)
     padded = _padded_rows(shape, m, block_m)
     return (
         4 * (padded + 4 * shape.experts + 1024)  # sorted slots, per-expert counts/starts/ends/cursors
         + padded * shape.inter * dtype_bytes  # SiLU(gate) * up per sorted row
         + m * shape.topk * shape.hidden * dtype_bytes  # weighted GEMM2 output per slot
-        + 4 * sum(_max_split_elems(shape, m))  # float32 split-K partial sums (small M only)
-        + 4 * sum(_word_order_elems(shape, _gemv_max_m(m)))  # one-row kernels' operands (small M only)
+        + 4 * sum(_max_split_elems(shape, m, table))  # float32 split-K partial sums (small M only)
+        + 4 * sum(_word_order_elems(shape, _gemv_max_m(m, table)))  # one-row kernels' operands (small M only)
     )
 
 
@@ -944,9 +1062,13 @@ class TritonW4A16MoE:
         self.weights = weights
         self.shape = weights.shape
         self.max_m = max_m
-        self.table = TILE_TABLE if table is None else table
-        self._workspace: dict[torch.dtype, dict] = {}
         device = weights.w13.packed.device
+        # The shape's table fitted to the device it runs on (read here, at run time); a table
+        # given by the caller (tests, tuning scripts) runs as given.
+        self.limits = device_limits(device)
+        self._fit_device = table is None
+        self.table = table_for(self.shape, self.limits) if table is None else table
+        self._workspace: dict[torch.dtype, dict] = {}
         block_m = _max_block_m(max_m, self.table)
         self._max_padded = _padded_rows(self.shape, max_m, block_m)
         e = self.shape.experts
@@ -973,6 +1095,10 @@ class TritonW4A16MoE:
         # The activation-sized buffers depend on x's dtype: made on first use per dtype
         # (outside a graph capture: the harness warms up before capturing).
 
+    def _config(self, m: int) -> dict:
+        cfg = _config_for(self.shape, m, self.table)
+        return fit_to_device(cfg, self.limits, self.shape, m) if self._fit_device else cfg
+
     def _buffers(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if dtype not in self._workspace:
             self._workspace[dtype] = dict(
@@ -991,11 +1117,19 @@ class TritonW4A16MoE:
     def configs_used(self, m: int) -> dict:
         """The table row for M; once a GEMM of it has run on the GPU, its options say which
         MMA form ran ("mma_overlap": True for the overlapped form, see _launch)."""
-        cfg = dict(_config_for(self.shape, m, self.table))
+        cfg = dict(self._config(m))
         for which in ("g1", "g2"):
             ran = self._overlap.get((which, cfg["block_m"], json.dumps(cfg[which], sort_keys=True)))
             if ran is not None:
                 cfg[which] = dict(cfg[which], mma_overlap=ran)
+        # Which kernels run this M, and where their table came from (results say so).
+        cfg["path"] = "one-row" if cfg["g1"].get("gemv") else "tensor-core"
+        if not self._fit_device:
+            cfg["table"] = "given"
+        else:
+            cfg["table"] = "preset" if self.shape in PRESET_TABLES else "rule"
+            if self.limits is not None:
+                cfg["device"] = self.limits.name
         return cfg
 
     def _launch(self, which: str, block_m: int, g: dict, k: int, launch):
@@ -1015,7 +1149,9 @@ class TritonW4A16MoE:
         found, SASS that cannot be read) the kernel runs again with K at run time and keeps
         that form. Decided once per configuration, before any graph capture (the harness's
         warm-up and correctness check run every configuration first)."""
-        if self._device.type != "cuda" or not g.get("swap"):
+        if self._device.type != "cuda" or not g.get("swap") or (self.limits and self.limits.capability != (9, 0)):
+            # The overlapped form is only ever kept with Hopper's warp-group MMAs (the check
+            # knows no other): elsewhere compile the form that runs and nothing more.
             return launch(0)
         key = (which, block_m, json.dumps(g, sort_keys=True))
         ok = self._overlap.get(key)
@@ -1035,7 +1171,7 @@ class TritonW4A16MoE:
         x = x.contiguous()
         topk_ids = topk_ids.to(torch.int32).contiguous()
         topk_weights = topk_weights.to(torch.float32).contiguous()
-        cfg = _config_for(self.shape, m, self.table)
+        cfg = self._config(m)
         if cfg["g1"].get("gemv"):
             self.word_order(x, topk_ids, by_expert=cfg["g1"].get("sort", False))
             self.gemv1(x, cfg["g1"])
