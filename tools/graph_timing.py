@@ -10,12 +10,20 @@ sees between its replays enters here, and consecutive forwards read different ex
 
 Every M is checked against the float32 reference (moe_bench.backends.reference_moe) on
 fresh inputs, with the workspace and output poisoned, before it is timed; an M that fails is
-reported and not timed. With --harness the harness runs first in the same process on the same
-preset, shape and M list (its own seed and inputs), and each M's two figures are compared:
-they must agree within --agree-pct (5%), else the exit code is 1.
+reported and not timed. Each M's figure is compared with the harness's median: they must
+agree within --agree-pct (5%), else the exit code is 1. Two ways to get the harness's figure:
+  --harness       the harness runs first, whole, in the same process (same preset, shape, M
+                  list and seed; its results JSON to --harness-out), then this script;
+  --interleave R  per M, R rounds of the harness's own timing routine (moe_bench.cli.time_one_m,
+                  on the backend this script times) alternating with this script's; each
+                  side's median over the rounds is compared. At large M the H200 reaches its
+                  power limit within a second and the clock then depends on what ran just
+                  before (PERFORMANCE.md): measured a minute apart, the two ways differed by up
+                  to 10% in either direction at some M (round 15), interleaved they measure
+                  the same state of the GPU. With both, --interleave gives the comparison.
 
   PYTHONPATH=files python3 tools/graph_timing.py --preset kimi-k2.6 [--tp 8] \
-      [--m-list 1,2,...,8192] [--harness --harness-out h.json] --out g.json
+      [--m-list 1,2,...,8192] [--interleave 2] [--harness --harness-out h.json] --out g.json
 
 The floor: max(bytes / bandwidth, FLOPs / matmul rate) of moe_bench.perfmodel (expected
 distinct experts), at 4.3 TB/s and 790 TFLOP/s (field-notes section 2; the issue's bars),
@@ -50,12 +58,18 @@ def driver_version() -> str:
         return "unknown"
 
 
+def activation_dtype(device) -> torch.dtype:
+    """bf16 on a GPU; float32 on the CPU (Triton's interpreter computes bf16 dots wrongly),
+    where this script runs only to exercise its own control flow."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def check_m(moe, weights, shape, m: int, device, seed: int) -> float | None:
     """Relative error against the float32 reference on fresh inputs; None when the output holds
     NaN (a row never written: workspace and output poisoned first)."""
     generator = torch.Generator(device=device)
     generator.manual_seed(seed * 7777 + m)
-    x, ids, wts = cli.make_inputs(shape, m, torch.bfloat16, device, generator)
+    x, ids, wts = cli.make_inputs(shape, m, activation_dtype(device), device, generator)
     for ws in moe._workspace.values():
         for buf in ws.values():
             buf.fill_(float("nan"))
@@ -70,9 +84,15 @@ def graph_time_us(moe, shape, m: int, device, seed: int, replays: int, budget_s:
     """Mean us per forward of one graph of FORWARDS_PER_GRAPH forwards over as many routings."""
     generator = torch.Generator(device=device)
     generator.manual_seed(seed * 1_000_003 + m + 17)
-    sets = [cli.make_inputs(shape, m, torch.bfloat16, device, generator) for _ in range(FORWARDS_PER_GRAPH)]
+    sets = [cli.make_inputs(shape, m, activation_dtype(device), device, generator) for _ in range(FORWARDS_PER_GRAPH)]
     for x, ids, wts in sets:  # compiles and decides each configuration's MMA form before capture
         moe(x, ids, wts)
+    if device.type != "cuda":  # control flow only: one timed pass over the routings
+        started = time.perf_counter()
+        for x, ids, wts in sets:
+            moe(x, ids, wts)
+        us = (time.perf_counter() - started) * 1e6 / FORWARDS_PER_GRAPH
+        return {"us": us, "us_mean": us, "us_min": us, "us_max": us, "replays": 1}
     torch.cuda.synchronize(device)
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
@@ -123,17 +143,21 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=1.5, help="stop replaying an M after this (at least 5)")
     parser.add_argument("--harness", action="store_true", help="run the harness first and compare its medians")
     parser.add_argument("--harness-out", default="", help="with --harness: its results JSON")
+    parser.add_argument("--interleave", type=int, default=0,
+                        help="rounds per M of the harness's own timing (moe_bench.cli.time_one_m, same backend) "
+                             "alternating with this script's; the figures compared are each one's median over the rounds")
     parser.add_argument("--agree-pct", type=float, default=5.0)
     parser.add_argument("--out", default="")
+    parser.add_argument("--device", default="cuda:0", help="cpu: the script's control flow only (interpreter)")
     args = parser.parse_args(argv)
 
     m_list = sorted({int(v) for v in args.m_list.split(",")})
-    device = torch.device("cuda:0")
+    device = torch.device(args.device)
     shape = presets.PRESETS[args.preset].shape(args.tp)
     harness_rows, harness_ceilings = {}, None
     if args.harness:
         harness_out = args.harness_out or "/tmp/graph_timing_harness.json"
-        code = cli.main(["--preset", args.preset, "--tp", str(args.tp), "--backend", "triton", "--device", "cuda:0",
+        code = cli.main(["--preset", args.preset, "--tp", str(args.tp), "--backend", "triton", "--device", args.device,
                          "--m-list", ",".join(map(str, m_list)), "--seed", str(args.seed), "--out", harness_out])
         if code != 0:
             print(f"harness exited {code}", flush=True)
@@ -145,11 +169,21 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
 
     weights = quant.random_weights(shape, device, seed=args.seed)
-    moe = tm.TritonW4A16MoE(weights, max(m_list))
+    from moe_bench.backends import create_backend
+
+    backend = create_backend("triton", weights, max(m_list), activation_dtype(device))
+    moe = backend.impl
+    settings = None
+    if args.interleave:
+        # The harness's own per-M timing, on this backend, with the ceilings it would measure.
+        settings = cli.parse_settings(["--preset", args.preset, "--tp", str(args.tp), "--backend", "triton",
+                                       "--device", args.device, "--m-list", ",".join(map(str, m_list)),
+                                       "--seed", str(args.seed)])
+        harness_ceilings = cli.resolve_ceilings(settings, device)
     report = dict(tool="tools/graph_timing.py", argv=sys.argv[1:], preset=args.preset, tp=args.tp,
                   shape=shape.__dict__, started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                  device=torch.cuda.get_device_name(device), driver=driver_version(), torch=torch.__version__,
-                  triton=tm.triton.__version__, harness_ceilings=harness_ceilings, rows=[])
+                  device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", driver=driver_version(), torch=torch.__version__,
+                  triton=tm.triton.__version__, harness_ceilings=harness_ceilings, interleave=args.interleave, rows=[])
     failed = False
     print(f"{args.preset} tp{args.tp} {shape} on {report['device']}, driver {report['driver']}, "
           f"triton {report['triton']}", flush=True)
@@ -160,8 +194,22 @@ def main(argv=None) -> int:
         error = check_m(moe, weights, shape, m, device, args.seed)
         ok = error is not None and error <= cli.RELATIVE_ERROR_BOUND["bfloat16"]
         row = dict(m=m, rel_err=error, ok=ok)
-        if ok:
+        if ok and settings is not None:
+            rounds = []
+            for _ in range(args.interleave):
+                _, harness_timing = cli.time_one_m(settings, backend, m, activation_dtype(device), device)
+                rounds.append((harness_timing.us, graph_time_us(moe, shape, m, device, args.seed, args.replays,
+                                                                args.budget_s)))
+            row.update(rounds[len(rounds) // 2][1] if len(rounds) % 2 else rounds[0][1])
+            row["us"] = statistics.median(graph["us"] for _, graph in rounds)
+            row["graph_rounds_us"] = [graph["us"] for _, graph in rounds]
+            row["harness_rounds_us"] = [us for us, _ in rounds]
+            floor_run = perfmodel.floor_us(shape, m, harness_ceilings["bandwidth_gbps"], harness_ceilings["tflops"])
+            harness_us = statistics.median(us for us, _ in rounds)
+            harness_rows[m] = {"us": harness_us, "pct_of_floor": 100 * floor_run / harness_us}
+        elif ok:
             row.update(graph_time_us(moe, shape, m, device, args.seed, args.replays, args.budget_s))
+        if ok:
             floor_fn = perfmodel.floor_us(shape, m, FIELD_NOTES_BANDWIDTH_GBPS, FIELD_NOTES_TFLOPS)
             row["floor_field_notes_us"] = floor_fn
             row["pct_field_notes_floor"] = 100 * floor_fn / row["us"]

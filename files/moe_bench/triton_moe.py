@@ -772,35 +772,76 @@ def _gemv_kernel(
 # per column and step, a multiple of 4: whole 32-value chunks; warps; sort (GEMM1's entry
 # decides for both): the programs take the slots grouped by expert, worth its two extra
 # launches once slots start to share experts).
-# Chosen on one H200 at the kimi-k2.6 shape with `tools/kernel_sweep.py --variants` (every
-# candidate checked against the float32 reference, then each GEMM timed alone; per M the
-# block size whose best GEMM1 + best GEMM2 is smallest). PERFORMANCE.md has the sweeps.
-# Swapped (warp-group MMA) rows run overlapped where their compiled code passes the race check
-# (TritonW4A16MoE._launch, moe_bench.sass), else serialised; the table's rows were timed in
-# the serialised form and then re-measured overlapped (rounds 9-11 of PERFORMANCE.md).
-TILE_TABLE: list[tuple[int, dict]] = [
-    (4, dict(block_m=1,
-         g1=dict(gemv=True, bn=32, bkw=64, warps=4, stages=1, asm=True),
-         g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True))),
-    (16, dict(block_m=1,
-         g1=dict(gemv=True, bn=32, bkw=64, warps=4, stages=1, asm=True, sort=True),
-         g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True))),
-    (64, dict(block_m=1,
-         g1=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True, sort=True),
-         g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True))),
-    (1024, dict(block_m=32,
-         g1=dict(bn=64, bk=128, warps=4, stages=3, post=False, whole=True, swap=True, split=1, asm=True, gu=True),
-         g2=dict(bn=128, bk=64, warps=4, stages=4, post=False, whole=True, swap=True, split=1, asm=True))),
-    (1 << 62, dict(block_m=64,
-         g1=dict(bn=64, bk=64, warps=4, stages=3, post=False, whole=True, swap=True, split=1, asm=True, gu=True),
-         g2=dict(bn=128, bk=64, warps=4, stages=4, post=False, whole=True, swap=True, split=1, asm=True))),
-]
+# The rows' tiles were chosen on one H200 at the kimi-k2.6 shape with `tools/kernel_sweep.py
+# --variants` (every candidate checked against the float32 reference, then each GEMM timed
+# alone); which row runs at which M is decided by slots per expert (see "Tiles by shape and
+# device" below), from whole-forward sweeps of five preset shapes (tools/shape_sweep.py,
+# PERFORMANCE.md round 15). Swapped (warp-group MMA) rows run overlapped where their compiled
+# code passes the race check (TritonW4A16MoE._launch, moe_bench.sass), else serialised.
+ONE_ROW = dict(block_m=1,
+               g1=dict(gemv=True, bn=32, bkw=64, warps=4, stages=1, asm=True),
+               g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True))
+# The tensor-core rows: GEMM1 gate and up as one tile, both GEMMs swapped (warp-group MMA
+# with the weights in registers); block_m 64 steps GEMM1 by 64 K values instead of 128.
+_GEMM1_BK128 = dict(bn=64, bk=128, warps=4, stages=3, post=False, whole=True, swap=True, split=1, asm=True, gu=True)
+_GEMM1_BK64 = dict(_GEMM1_BK128, bk=64)
+_GEMM2 = dict(bn=128, bk=64, warps=4, stages=4, post=False, whole=True, swap=True, split=1, asm=True)
+TENSOR_BM16 = dict(block_m=16, g1=_GEMM1_BK128, g2=_GEMM2)
+TENSOR_BM32 = dict(block_m=32, g1=_GEMM1_BK128, g2=_GEMM2)
+TENSOR_BM64 = dict(block_m=64, g1=_GEMM1_BK64, g2=_GEMM2)
+
+# Slots per expert (M * topk / experts) up to which each row runs; past the last, block_m 64.
+# Measured (round 15): the one-row kernels win only while nearly every slot has an expert of
+# its own (kimi-k2.6 M=4, 0.08 per expert: 269 against 274 us; M=8, 0.17: 507 against 488 us
+# for block_m 16); block_m 16 wins up to 11 per expert (kimi-k2.6 M=512) and loses from 16
+# (deepseek-v3 M=512: 3122 against 2613 us for block_m 32); block_m 32 wins at 21 (kimi-k2.6
+# M=1024: 4130 against 4668 us for 64) and loses at 32 (deepseek-v3 M=1024, qwen3 M=512,
+# mixtral M=128).
+SLOTS_PER_EXPERT_ROWS = ((0.1, ONE_ROW), (12.0, TENSOR_BM16), (24.0, TENSOR_BM32))
 
 
-# The presets' shipped tables, by layer shape (see "Tiles by shape and device" below);
-# kimi-k2.6's is TILE_TABLE itself (a tuning script that edits TILE_TABLE in place edits it).
+def table_by_slots_per_expert(shape: quant.MoEShape) -> list[tuple[int, dict]]:
+    """SLOTS_PER_EXPERT_ROWS at this shape's M: each row up to the M where M * topk / experts
+    reaches its limit (rows that would cover no M dropped), block_m 64 after the last."""
+    table, previous = [], 0
+    for per_expert, entry in SLOTS_PER_EXPERT_ROWS:
+        limit = int(per_expert * shape.experts / shape.topk + 1e-9)
+        if limit > previous:
+            table.append((limit, entry))
+            previous = limit
+    table.append((1 << 62, TENSOR_BM64))
+    return table
+
+
+# The kimi-k2.6 table (M <= 4 one-row, <= 576 block_m 16, <= 1152 block_m 32, then 64).
+TILE_TABLE: list[tuple[int, dict]] = table_by_slots_per_expert(
+    quant.MoEShape(experts=384, hidden=7168, inter=2048, topk=8, group_size=32))
+
+# The presets' shipped tables, by layer shape (`--tp 1` and `--tp 8`), each measured on an
+# H200 at its own shape (round 15: every M's winner agreed with the slots-per-expert rule, so
+# each table is that rule's output, fixed here so that a later change of the rule for other
+# shapes leaves the measured presets alone). kimi-k2.6's is TILE_TABLE itself (a tuning
+# script that edits TILE_TABLE in place edits it).
 PRESET_TABLES: dict[quant.MoEShape, list[tuple[int, dict]]] = {
     quant.MoEShape(experts=384, hidden=7168, inter=2048, topk=8, group_size=32): TILE_TABLE,
+    # kimi-k2.6 --tp 8 (inter 256): the same slots per expert, the same M limits.
+    quant.MoEShape(experts=384, hidden=7168, inter=256, topk=8, group_size=32):
+        [(4, ONE_ROW), (576, TENSOR_BM16), (1152, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+    # deepseek-v3 (and --tp 8): 256 experts, top-8.
+    quant.MoEShape(experts=256, hidden=7168, inter=2048, topk=8, group_size=32):
+        [(3, ONE_ROW), (384, TENSOR_BM16), (768, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+    quant.MoEShape(experts=256, hidden=7168, inter=256, topk=8, group_size=32):
+        [(3, ONE_ROW), (384, TENSOR_BM16), (768, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+    # qwen3-235b-a22b (and --tp 8): 128 experts, top-8.
+    quant.MoEShape(experts=128, hidden=4096, inter=1536, topk=8, group_size=32):
+        [(1, ONE_ROW), (192, TENSOR_BM16), (384, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+    quant.MoEShape(experts=128, hidden=4096, inter=192, topk=8, group_size=32):
+        [(1, ONE_ROW), (192, TENSOR_BM16), (384, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+    # mixtral-8x7b (and --tp 8): 8 experts, top-2: every M has slots sharing an expert.
+    quant.MoEShape(experts=8, hidden=4096, inter=14336, topk=2, group_size=32):
+        [(48, TENSOR_BM16), (96, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+    quant.MoEShape(experts=8, hidden=4096, inter=1792, topk=2, group_size=32):
+        [(48, TENSOR_BM16), (96, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
 }
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -850,23 +891,16 @@ def _fit(gemm: dict, k: int, n: int, group: int) -> dict:
 # Tiles by shape and device
 # ---------------------------------------------------------------------------
 #
-# TILE_TABLE was chosen at the kimi-k2.6 shape, where what decides each M's path is how many
-# of its (token, expert) slots share an expert: the one-row kernels pay per slot (each slot
-# streams its expert's weights; grouped by expert a second slot finds them in L2 if they fit),
-# the tensor-core kernels per block of block_m rows of one expert (padding included). So
-# another shape takes kimi-k2.6's rows at the M with the same slots per expert
-# (M * topk / experts), with two device-dependent limits read at run time (device_limits):
-#   - the one-row kernels stop where slots start to share an expert (about 0.34 per expert)
-#     when one expert's GEMM1 weights would not sit in half the L2: a second slot of that
-#     expert then reads them from DRAM again;
-#   - the one-row kernels' GEMM1 takes bn 32 instead of 64 when bn 64 would give fewer than
-#     four programs per SM (small shards: --tp 8), and a tensor-core row's stages drop until
-#     its pipelined tiles fit the device's shared memory.
-# Presets get their own shipped tables (PRESET_TABLES, chosen on an H200 with
-# tools/shape_sweep.py); any other shape takes the rule.
-
-KIMI_SHAPE = quant.MoEShape(experts=384, hidden=7168, inter=2048, topk=8, group_size=32)
-
+# What decides each M's path is how many of its (token, expert) slots share an expert: the
+# one-row kernels pay per slot (each slot streams its expert's weights), the tensor-core
+# kernels per block of block_m rows of one expert (padding included). So a shape's table
+# follows from its slots per expert, M * topk / experts (SLOTS_PER_EXPERT_ROWS); presets ship
+# their measured tables (PRESET_TABLES), any other shape takes the rule
+# (table_by_slots_per_expert). Then the device, read at run time (device_limits), adjusts a
+# row (fit_to_device): the one-row kernels' GEMM1 takes bn 32 instead of 64 when bn 64 would
+# give fewer than four programs per SM, and a tensor-core row's stages drop until its
+# pipelined tiles fit the device's shared memory (an sm_120 or sm_89 block gets 99 KB, an
+# H100/H200 227 KB).
 
 @dataclass(frozen=True)
 class DeviceLimits:
@@ -876,15 +910,14 @@ class DeviceLimits:
     capability: tuple[int, int]
     sm_count: int
     smem_per_block: int  # bytes of shared memory one block may have (the opt-in maximum)
-    l2_bytes: int
 
 
 # An H200, for choices made without a device (the CPU, tools that only compile).
-H200_LIMITS = DeviceLimits("NVIDIA H200 (assumed)", (9, 0), 132, 232448, 50 * 1024 * 1024)
+H200_LIMITS = DeviceLimits("NVIDIA H200 (assumed)", (9, 0), 132, 232448)
 
 
 def device_limits(device) -> DeviceLimits | None:
-    """The GPU's SM count, shared memory per block and L2 size; None off a CUDA device."""
+    """The GPU's SM count and shared memory per block; None off a CUDA device."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
@@ -895,8 +928,7 @@ def device_limits(device) -> DeviceLimits | None:
             smem = int(triton.runtime.driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"])
         except Exception:
             smem = 48 * 1024  # what every CUDA GPU allows without opting in
-    return DeviceLimits(props.name, (props.major, props.minor), props.multi_processor_count, smem,
-                        int(getattr(props, "L2_cache_size", 0) or 0))
+    return DeviceLimits(props.name, (props.major, props.minor), props.multi_processor_count, smem)
 
 
 def _stage_bytes(block_m: int, g: dict, gate_up: bool) -> int:
@@ -927,31 +959,12 @@ def fit_to_device(cfg: dict, limits: DeviceLimits | None, shape: quant.MoEShape,
     return cfg
 
 
-def rule_table(shape: quant.MoEShape, limits: DeviceLimits | None = None) -> list[tuple[int, dict]]:
-    """TILE_TABLE moved to this shape's M: each row at the M with the same slots per expert
-    as at kimi-k2.6 (see the section comment); empty rows dropped."""
-    limits = limits or H200_LIMITS
-    scale = (shape.experts / shape.topk) / (KIMI_SHAPE.experts / KIMI_SHAPE.topk)
-    expert_gemm1_bytes = 2 * shape.inter * shape.hidden // 2
-    one_row_slots_per_expert = None if expert_gemm1_bytes <= limits.l2_bytes // 2 else 0.34
-    table, previous = [], 0
-    for limit, entry in TILE_TABLE:
-        if limit >= 1 << 62:
-            table.append((limit, entry))
-            break
-        if entry["g1"].get("gemv") and one_row_slots_per_expert is not None:
-            limit = min(limit, int(one_row_slots_per_expert * KIMI_SHAPE.experts / KIMI_SHAPE.topk))
-        moved = max(1, round(limit * scale))
-        if moved > previous:
-            table.append((moved, entry))
-            previous = moved
-    return table
-
-
 def table_for(shape: quant.MoEShape, limits: DeviceLimits | None = None) -> list[tuple[int, dict]]:
-    """The shipped table of a preset's shape, else the rule's (rule_table)."""
+    """The shipped table of a preset's shape, else the rule's (table_by_slots_per_expert).
+    limits: the device's, for a rule that would depend on them (none does yet: fit_to_device
+    adjusts each M's row)."""
     table = PRESET_TABLES.get(shape)
-    return table if table is not None else rule_table(shape, limits)
+    return table if table is not None else table_by_slots_per_expert(shape)
 
 
 def _config_for(shape: quant.MoEShape, m: int, table=None) -> dict:
