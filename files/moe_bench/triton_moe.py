@@ -1,7 +1,9 @@
 """The payload's own fused W4A16 MoE forward, written in Triton.
 
-Two paths, picked per M by TILE_TABLE; both have shapes fixed by M (CUDA-graph capturable: no
-host synchronisation, no data-dependent shapes; programs past the rows in use exit at once).
+Two paths, picked per M by the shape's table (a preset's shipped one, else the rule by slots
+per expert; see "Tiles by shape and device"); both have shapes fixed by M (CUDA-graph
+capturable: no host synchronisation, no data-dependent shapes; programs past the rows in use
+exit at once).
 
 Few tokens (rows with block_m 1): one-row kernels on the CUDA cores, three launches (five
 with `sort`) plus the top-k sum. With a few tokens almost every (token, expert) slot is the only row of its expert,
@@ -48,7 +50,8 @@ A nibble u becomes a number without an integer conversion: written under the bf1
 
 Constraints (ValueError otherwise): group size a power of two, at least 32 (so every 32-value
 chunk lies inside one group); hidden and inter multiples of the group size. Tiles come from
-TILE_TABLE per M, shrunk to divide the shape. Activations: bf16 on a GPU; float16 / float32
+the shape's table per M (table_for), fitted to the device (fit_to_device) and shrunk to divide
+the shape. Activations: bf16 on a GPU; float16 / float32
 work too (the CPU tests use them under TRITON_INTERPRET=1, whose tl.dot is wrong on bf16).
 """
 
