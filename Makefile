@@ -6,7 +6,7 @@ ANSIBLE_PLAYBOOK := $(VENV)/bin/ansible-playbook
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: demo test venv engine host-image host-up host-down controller-user ee-image lint unit payload-test molecule integration clean
+.PHONY: demo test venv engine host-image host-up host-down controller-user ee-image lint unit payload-test compile-check molecule integration clean
 
 ## demo: build and start the simulated GPU host, run playbooks/moe_bench.yml against it end to end
 demo: venv host-up
@@ -52,6 +52,10 @@ unit: venv
 
 payload-test: venv
 	.venv-payload/bin/pytest -q tests/payload --junitxml=.cache/junit-payload.xml
+
+## compile-check: every preset's kernel configurations compiled for sm_80/89/90/100/120, checked to fit (a few minutes; payload-test runs a one-minute subset)
+compile-check: venv
+	TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=files:tools .venv-payload/bin/python tools/compile_check.py --arch sm_80,sm_89,sm_90,sm_100,sm_120 --preset all
 
 molecule: venv host-image
 	tests/run-molecule

@@ -1,39 +1,65 @@
-"""Compile the GEMM kernels for an H100/H200 (sm_90) without a GPU and report what the compiler
-made of each configuration: registers, spills, shared memory, and counts of the instructions
-that matter (a development tool, not the payload).
+"""Compile the MoE kernels without a GPU and check what the compiler made of each
+configuration: registers, spills, shared memory, the MMA race check, and counts of the
+instructions that matter (a development tool, not the payload).
 
-  PYTHONPATH=files python3 tools/compile_check.py [--sass-out DIR]
+Portability (issue 17, item 5): every configuration any preset's table uses, for every
+architecture asked for, with the installed Triton; exit 1 when one fails to compile, does not
+fit the architecture (shared memory per block, registers per thread and per SM, any spill to
+local memory) or, on sm_90, runs warp-group MMAs whose register operand is overwritten in
+flight in the form the backend would keep:
 
-Catches PTX that does not assemble before any GPU time is spent, and shows whether a
-configuration spills or which matrix instructions it uses. Swapped rows are compiled as the
-backend tries them first, in the overlapped form (K a compile-time constant, MMAs left in
-flight across steps), and checked as the backend checks them (moe_bench.sass): a warp-group
-MMA whose register operand a later instruction overwrites before the wait that retires it
-gives results that vary run to run on the GPU (seen: relative error 7e-3 to 7e2 or NaN for
-the same configuration). Where the overlapped form has such a write the tool says so and
-checks the serialised form the backend then runs; it refuses (exit 1) a configuration whose
-serialised form has one too. Use the Triton
-version the GPU host runs (the SASS differs between versions): for example a venv with
-`pip install triton==3.6.0` and a CPU torch wheel.
+  PYTHONPATH=files python3 tools/compile_check.py --arch sm_80,sm_89,sm_90,sm_100,sm_120 --preset all [--tp 1,8] [--jobs 2]
+
+Each architecture gets the table as the backend would run it there (fit_to_device with that
+architecture's shared memory and SM count). On sm_90 the swapped rows compile as the backend
+tries them first, in the overlapped form (K a compile-time constant, MMAs left in flight
+across steps), and are checked as the backend checks them (moe_bench.sass): a warp-group MMA
+whose register operand a later instruction overwrites before the wait that retires it gives
+results that vary run to run on the GPU (seen: relative error 7e-3 to 7e2 or NaN for the same
+configuration). Where the overlapped form has such a write the tool says so and checks the
+serialised form the backend then runs; a serialised form with one fails. Elsewhere the backend
+compiles only the serialised form (TritonW4A16MoE._launch), and so does this tool.
+
+Without --preset: the kimi-k2.6 table's rows and tools/kernel_sweep.py's candidates on sm_90
+(the tuning view: [--sass-out DIR] keeps each kernel's SASS). The SASS differs between Triton
+versions: the GPU host's Triton is the one whose code runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import time
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from moe_bench import presets
 from moe_bench import triton_moe as tm
 from moe_bench.sass import wgmma_operand_hazards
 
 TARGET = GPUTarget("cuda", 90, 32)
+
+# Per architecture: a GPU of it (for the SM count fit_to_device reads), the shared memory one
+# block may opt into (CUDA's "maximum shared memory per block" of that compute capability).
+# Every one of them has 64 K 32-bit registers per SM and at most 255 per thread.
+ARCHS = {
+    80: tm.DeviceLimits("A100 (sm_80)", (8, 0), 108, 166912),
+    86: tm.DeviceLimits("RTX A6000 (sm_86)", (8, 6), 84, 101376),
+    89: tm.DeviceLimits("L40S (sm_89)", (8, 9), 142, 101376),
+    90: tm.DeviceLimits("H100/H200 (sm_90)", (9, 0), 132, 232448),
+    100: tm.DeviceLimits("B200 (sm_100)", (10, 0), 148, 232448),
+    120: tm.DeviceLimits("RTX PRO 6000 (sm_120)", (12, 0), 188, 101376),
+}
+REGISTERS_PER_SM = 65536
+MAX_REGISTERS_PER_THREAD = 255
 OPS = ("HGMMA", "WARPGROUP.DEPBAR", "HMMA", "LDSM", "LDS", "LDS.64", "LDS.128", "LDS.U8", "STS", "LDGSTS", "LDG", "LDL", "STL", "PRMT",
        "LOP3", "HFMA2", "F2FP", "FFMA", "BAR")
 
@@ -59,42 +85,50 @@ SIGNATURE_GEMV = {
 }
 
 
-def compile_gemv(which: int, g: dict, group: int = 32):
-    """The one-row kernel as GEMM1 (gate/up, float32 intermediate out) or GEMM2."""
+def _attrs(signature: dict) -> dict:
+    # As the JIT specialises them at the presets' shapes: every pointer and integer argument
+    # divisible by 16 (a shape where one is not compiles a variant the JIT would pick there).
+    return {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind != "constexpr"}
+
+
+def compile_gemv(which: int, g: dict, group: int = 32, *, target=None, topk: int = 8, by_expert=None):
+    """The one-row kernel as GEMM1 (gate/up, float32 intermediate out) or GEMM2. by_expert: the
+    slot order (the table's GEMM1 `sort` decides it for both GEMMs); default g's own."""
     signature = dict(SIGNATURE_GEMV, out_ptr="*fp32" if which == 1 else "*bf16")
-    constants = dict(TOPK=8, GROUP=group, BLOCK_N=g["bn"], BLOCK_KW=g["bkw"], GATE_UP=which == 1,
+    constants = dict(TOPK=topk, GROUP=group, BLOCK_N=g["bn"], BLOCK_KW=g["bkw"], GATE_UP=which == 1,
                      CONVERT_ASM=bool(g.get("asm", False)), INTER_DTYPE=tm.tl.bfloat16,
-                     BY_EXPERT=bool(g.get("sort", False)))
+                     BY_EXPERT=bool(g.get("sort", False) if by_expert is None else by_expert))
     for name in constants:
         signature[name] = "constexpr"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind != "constexpr"}
-    src = ASTSource(fn=tm._gemv_kernel, signature=signature, constexprs=constants, attrs=attrs)
-    return triton.compile(src, target=TARGET, options=dict(num_warps=g["warps"], num_stages=g.get("stages", 1)))
+    src = ASTSource(fn=tm._gemv_kernel, signature=signature, constexprs=constants, attrs=_attrs(signature))
+    return triton.compile(src, target=target or TARGET, options=dict(num_warps=g["warps"], num_stages=g.get("stages", 1)))
 
 
-def compile_gemm(which: int, block_m: int, g: dict, group: int = 32, overlap: bool | None = None):
-    """GEMM1 or GEMM2 at the kimi-k2.6 shape. overlap (default: for swapped rows, as the backend
-    tries first): K as a compile-time constant, the form whose MMAs may stay in flight
-    (TritonW4A16MoE._launch); otherwise K at run time, the form the compiler serialises."""
+def compile_gemm(which: int, block_m: int, g: dict, group: int = 32, overlap: bool | None = None, *,
+                 target=None, topk: int = 8, num_bins: int = 512, k: int | None = None, by_expert=None):
+    """GEMM1 or GEMM2 (default: at the kimi-k2.6 shape, K = 7168 for GEMM1 and 2048 for GEMM2).
+    overlap (default: for swapped rows, as the backend tries first on sm_90): K as a
+    compile-time constant, the form whose MMAs may stay in flight (TritonW4A16MoE._launch);
+    otherwise K at run time, the form the compiler serialises."""
     if g.get("gemv"):
-        return compile_gemv(which, g, group)
+        return compile_gemv(which, g, group, target=target, topk=topk, by_expert=by_expert)
     kernel = tm._gemm1_kernel if which == 1 else tm._gemm2_kernel
     signature = dict(SIGNATURE_1 if which == 1 else SIGNATURE_2)
-    constants = dict(GROUP=group, BLOCK_M=block_m, BLOCK_N=g["bn"], GROUPS_PER_STEP=g["bk"] // group, NUM_BINS=512,
-                     POST_SCALE=g["post"], WHOLE_TILE=g.get("whole", False), SWAP_AB=g["swap"],
+    constants = dict(GROUP=group, BLOCK_M=block_m, BLOCK_N=g["bn"], GROUPS_PER_STEP=g["bk"] // group,
+                     NUM_BINS=num_bins, POST_SCALE=g["post"], WHOLE_TILE=g.get("whole", False), SWAP_AB=g["swap"],
                      CONVERT_ASM=bool(g.get("asm", False)), SPLIT_K=g.get("split", 1))
     if which == 1:
-        constants["TOPK"] = 8
+        constants["TOPK"] = topk
         constants["FUSE_GU"] = bool(g.get("gu", False))
     if overlap is None:
         overlap = bool(g["swap"])
-    constants["K_CONST"] = (7168 if which == 1 else 2048) if overlap else 0
+    if k is None:
+        k = 7168 if which == 1 else 2048
+    constants["K_CONST"] = k if overlap else 0
     for name in constants:
         signature[name] = "constexpr"
-    # As the JIT specialises them at this shape: every pointer and integer argument divisible by 16.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind != "constexpr"}
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
-    return triton.compile(src, target=TARGET, options=dict(num_warps=g["warps"], num_stages=g["stages"]))
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=_attrs(signature))
+    return triton.compile(src, target=target or TARGET, options=dict(num_warps=g["warps"], num_stages=g["stages"]))
 
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -118,17 +152,15 @@ def describe(compiled) -> dict:
                 wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"), counts=counts, sass=sass)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--sass-out", default="")
-    args = parser.parse_args()
+def candidates_main(args) -> int:
+    """The tuning view: the kimi-k2.6 table and kernel_sweep's candidates on sm_90."""
     from kernel_sweep import variants  # noqa: E402  (same folder)
 
     seen = set()
     failed = 0
     for m in (1, 64, 128, 512, 1024, 2048):
         shape = tm.quant.MoEShape(384, 7168, 2048, 8, 32)
-        for name, bm, g1, g2 in variants(m, tm._config_for(shape, m)):
+        for name, bm, g1, g2 in variants(m, tm._config_for(shape, m, tm.TILE_TABLE)):
             g1 = tm._fit(g1, shape.hidden, shape.inter, shape.group_size)
             g2 = tm._fit(g2, shape.inter, shape.hidden, shape.group_size)
             for which, g in ((1, g1), (2, g2)):
@@ -163,6 +195,154 @@ def main() -> int:
                     with open(os.path.join(args.sass_out, safe + ".sass"), "w") as fh:
                         fh.write(d["sass"])
     return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------------
+# Portability: every preset's configurations on every architecture asked for
+# ---------------------------------------------------------------------------
+
+# M values whose configurations are collected per shape: every table row's first and last M
+# (and the powers of two), so that a row fit_to_device changes with M is seen in each form.
+def _m_values(table, largest: int = 8192) -> list[int]:
+    ms = {1 << i for i in range(14) if 1 << i <= largest}
+    for limit, _ in table:
+        for m in (limit, limit + 1):
+            if m <= largest:
+                ms.add(m)
+    return sorted(ms)
+
+
+def shapes_for(preset_names: list[str], tps: list[int]) -> list[tuple[str, tm.quant.MoEShape]]:
+    out = []
+    for name in preset_names:
+        for tp in tps:
+            try:
+                shape = presets.PRESETS[name].shape(tp)
+                tm._check_shape(shape)
+            except ValueError:
+                continue  # not a shape this preset has at this --tp (inter not divisible)
+            out.append((f"{name} tp{tp}", shape))
+    return out
+
+
+def portability_jobs(archs: list[int], shapes) -> list[dict]:
+    """One job per distinct kernel compile: (architecture, kernel, its constants)."""
+    jobs, seen = [], {}
+    for arch in archs:
+        limits = ARCHS[arch]
+        for shape_label, shape in shapes:
+            table = tm.table_for(shape, limits)
+            for m in _m_values(table):
+                cfg = tm.fit_to_device(tm._config_for(shape, m, table), limits, shape, m)
+                by_expert = bool(cfg["g1"].get("sort", False))
+                for which, g, k in ((1, cfg["g1"], shape.hidden), (2, cfg["g2"], shape.inter)):
+                    overlap = bool(g.get("swap")) and arch == 90 and not g.get("gemv")
+                    job = dict(arch=arch, which=which, block_m=cfg["block_m"], g=g, group=shape.group_size,
+                               topk=shape.topk, num_bins=tm.triton.next_power_of_2(shape.experts + 1),
+                               k=k if overlap else 0, overlap=overlap, by_expert=by_expert if g.get("gemv") else None)
+                    key = json.dumps(job, sort_keys=True)
+                    if key not in seen:
+                        seen[key] = job
+                        job["used_by"] = []
+                        jobs.append(job)
+                    seen[key]["used_by"].append(f"{shape_label} M={m}")
+    return jobs
+
+
+def check_job(job: dict) -> dict:
+    """Compile one kernel for its architecture and check that it fits and is race-free."""
+    started = time.perf_counter()
+    arch, limits = job["arch"], ARCHS[job["arch"]]
+    target = GPUTarget("cuda", arch, 32)
+    kind = "one-row" if job["g"].get("gemv") else f"bm{job['block_m']}"
+    label = f"sm_{arch} GEMM{job['which']} {kind} " + ",".join(
+        f"{key}={value}" for key, value in sorted(job["g"].items()) if key not in ("asm", "gemv", "post", "whole", "split"))
+    problems, notes = [], []
+
+    def build(overlap: bool):
+        return compile_gemm(job["which"], job["block_m"], job["g"], job["group"], overlap, target=target,
+                            topk=job["topk"], num_bins=job["num_bins"], k=job["k"] or None,
+                            by_expert=job["by_expert"])
+
+    try:
+        compiled = build(job["overlap"])
+        d = describe(compiled)
+        if job["overlap"]:
+            hazards = wgmma_operand_hazards(d["sass"])
+            if hazards or "HGMMA" not in d["sass"]:
+                why = f"operand overwritten in flight {hazards[:2]}" if hazards else "no HGMMA"
+                notes.append(f"overlapped form refused ({why}): the backend runs the serialised form")
+                compiled = build(False)
+                d = describe(compiled)
+        if arch == 90 and job["g"].get("swap"):
+            hazards = wgmma_operand_hazards(d["sass"])
+            if hazards:
+                problems.append(f"MMA register operand overwritten in flight: {hazards[:3]}")
+    except Exception as exc:
+        return dict(label=label, used_by=job["used_by"], problems=[f"compile failed: {type(exc).__name__}: "
+                                                                   f"{str(exc)[:300]}"], notes=notes,
+                    seconds=time.perf_counter() - started)
+    threads = 32 * job["g"]["warps"]
+    if d["shared"] > limits.smem_per_block:
+        problems.append(f"shared memory {d['shared']} B over sm_{arch}'s {limits.smem_per_block} B per block")
+    if d["regs"] > MAX_REGISTERS_PER_THREAD or d["regs"] * threads > REGISTERS_PER_SM:
+        problems.append(f"{d['regs']} registers x {threads} threads do not fit sm_{arch}'s register file")
+    if d["local"] > 0 or d["stack"] > 0:
+        problems.append(f"spills: {d['local']} B local memory, {d['stack']} B stack per thread")
+    summary = (f"regs {d['regs']:3d} smem {d['shared']:6d} local {d['local']} "
+               + " ".join(f"{op}={d['counts'][op]}" for op in ("HGMMA", "HMMA") if d["counts"].get(op))
+               + (f" UTCMMA={d['sass'].count('UTCHMMA') + d['sass'].count('UTCQMMA')}" if 100 <= arch < 120 else ""))
+    return dict(label=label, used_by=job["used_by"], problems=problems, notes=notes, summary=summary,
+                seconds=time.perf_counter() - started)
+
+
+def _parse_archs(text: str) -> list[int]:
+    archs = []
+    for part in text.split(","):
+        match = re.fullmatch(r"(?:sm_)?(\d+)a?", part.strip())
+        if not match or int(match.group(1)) not in ARCHS:
+            raise argparse.ArgumentTypeError(f"unknown architecture {part!r}; known: "
+                                             + ",".join(f"sm_{a}" for a in ARCHS))
+        archs.append(int(match.group(1)))
+    return archs
+
+
+def portability_main(args) -> int:
+    names = sorted(presets.PRESETS) if args.preset == "all" else args.preset.split(",")
+    for name in names:
+        if name not in presets.PRESETS:
+            print(f"unknown preset {name!r}; known: {', '.join(sorted(presets.PRESETS))}", file=sys.stderr)
+            return 2
+    shapes = shapes_for(names, [int(v) for v in args.tp.split(",")])
+    jobs = portability_jobs(args.arch, shapes)
+    started = time.perf_counter()
+    print(f"triton {triton.__version__}: {len(jobs)} kernel compiles for {len(shapes)} shapes "
+          f"({', '.join(label for label, _ in shapes)}) on {', '.join(f'sm_{a}' for a in args.arch)}", flush=True)
+    failed = 0
+    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for result in pool.map(check_job, jobs):
+            status = "FAIL" if result["problems"] else "ok"
+            failed += bool(result["problems"])
+            print(f"{status:4s} {result['label']:70s} {result.get('summary', '')} [{result['seconds']:.1f}s] "
+                  f"used by {len(result['used_by'])} (shape, M), e.g. {result['used_by'][0]}", flush=True)
+            for line in result["notes"] + result["problems"]:
+                print(f"     {line}", flush=True)
+    print(f"{len(jobs) - failed} of {len(jobs)} configurations compile and fit; {failed} failed "
+          f"[{time.perf_counter() - started:.0f} s]", flush=True)
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=_parse_archs, default=[90], help="comma-separated, e.g. sm_80,sm_90,sm_120")
+    parser.add_argument("--preset", default="", help="a preset, a comma-separated list, or all: the portability check")
+    parser.add_argument("--tp", default="1,8", help="with --preset: the tensor-parallel shards each preset is checked at")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
+    parser.add_argument("--sass-out", default="", help="without --preset: write each kernel's SASS here")
+    args = parser.parse_args(argv)
+    if args.preset:
+        return portability_main(args)
+    return candidates_main(args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The payload's own fused W4A16 MoE forward, written in Triton.
 
-Two paths, picked per M by TILE_TABLE; both have shapes fixed by M (CUDA-graph capturable: no
-host synchronisation, no data-dependent shapes; programs past the rows in use exit at once).
+Two paths, picked per M by the shape's table (a preset's shipped one, else the rule by slots
+per expert; see "Tiles by shape and device"); both have shapes fixed by M (CUDA-graph
+capturable: no host synchronisation, no data-dependent shapes; programs past the rows in use
+exit at once).
 
 Few tokens (rows with block_m 1): one-row kernels on the CUDA cores, three launches (five
 with `sort`) plus the top-k sum. With a few tokens almost every (token, expert) slot is the only row of its expert,
@@ -48,7 +50,8 @@ A nibble u becomes a number without an integer conversion: written under the bf1
 
 Constraints (ValueError otherwise): group size a power of two, at least 32 (so every 32-value
 chunk lies inside one group); hidden and inter multiples of the group size. Tiles come from
-TILE_TABLE per M, shrunk to divide the shape. Activations: bf16 on a GPU; float16 / float32
+the shape's table per M (table_for), fitted to the device (fit_to_device) and shrunk to divide
+the shape. Activations: bf16 on a GPU; float16 / float32
 work too (the CPU tests use them under TRITON_INTERPRET=1, whose tl.dot is wrong on bf16).
 """
 
@@ -56,6 +59,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -771,30 +775,77 @@ def _gemv_kernel(
 # per column and step, a multiple of 4: whole 32-value chunks; warps; sort (GEMM1's entry
 # decides for both): the programs take the slots grouped by expert, worth its two extra
 # launches once slots start to share experts).
-# Chosen on one H200 at the kimi-k2.6 shape with `tools/kernel_sweep.py --variants` (every
-# candidate checked against the float32 reference, then each GEMM timed alone; per M the
-# block size whose best GEMM1 + best GEMM2 is smallest). PERFORMANCE.md has the sweeps.
-# Swapped (warp-group MMA) rows run overlapped where their compiled code passes the race check
-# (TritonW4A16MoE._launch, moe_bench.sass), else serialised; the table's rows were timed in
-# the serialised form and then re-measured overlapped (rounds 9-11 of PERFORMANCE.md).
-TILE_TABLE: list[tuple[int, dict]] = [
-    (4, dict(block_m=1,
-         g1=dict(gemv=True, bn=32, bkw=64, warps=4, stages=1, asm=True),
-         g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True))),
-    (16, dict(block_m=1,
-         g1=dict(gemv=True, bn=32, bkw=64, warps=4, stages=1, asm=True, sort=True),
-         g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True))),
-    (64, dict(block_m=1,
-         g1=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True, sort=True),
-         g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True))),
-    (1024, dict(block_m=32,
-         g1=dict(bn=64, bk=128, warps=4, stages=3, post=False, whole=True, swap=True, split=1, asm=True, gu=True),
-         g2=dict(bn=128, bk=64, warps=4, stages=4, post=False, whole=True, swap=True, split=1, asm=True))),
-    (1 << 62, dict(block_m=64,
-         g1=dict(bn=64, bk=64, warps=4, stages=3, post=False, whole=True, swap=True, split=1, asm=True, gu=True),
-         g2=dict(bn=128, bk=64, warps=4, stages=4, post=False, whole=True, swap=True, split=1, asm=True))),
-]
+# The rows' tiles were chosen on one H200 at the kimi-k2.6 shape with `tools/kernel_sweep.py
+# --variants` (every candidate checked against the float32 reference, then each GEMM timed
+# alone); which row runs at which M is decided by slots per expert (see "Tiles by shape and
+# device" below), from whole-forward sweeps of five preset shapes (tools/shape_sweep.py,
+# PERFORMANCE.md round 15). Swapped (warp-group MMA) rows run overlapped where their compiled
+# code passes the race check (TritonW4A16MoE._launch, moe_bench.sass), else serialised.
+ONE_ROW = dict(block_m=1,
+               g1=dict(gemv=True, bn=32, bkw=64, warps=4, stages=1, asm=True),
+               g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True))
+# The tensor-core rows: GEMM1 gate and up as one tile, both GEMMs swapped (warp-group MMA
+# with the weights in registers); block_m 64 steps GEMM1 by 64 K values instead of 128.
+_GEMM1_BK128 = dict(bn=64, bk=128, warps=4, stages=3, post=False, whole=True, swap=True, split=1, asm=True, gu=True)
+_GEMM1_BK64 = dict(_GEMM1_BK128, bk=64)
+_GEMM2 = dict(bn=128, bk=64, warps=4, stages=4, post=False, whole=True, swap=True, split=1, asm=True)
+TENSOR_BM16 = dict(block_m=16, g1=_GEMM1_BK128, g2=_GEMM2)
+TENSOR_BM32 = dict(block_m=32, g1=_GEMM1_BK128, g2=_GEMM2)
+TENSOR_BM64 = dict(block_m=64, g1=_GEMM1_BK64, g2=_GEMM2)
 
+# Slots per expert (M * topk / experts) up to which each row runs; past the last, block_m 64.
+# Measured (round 15): the one-row kernels win only while nearly every slot has an expert of
+# its own (kimi-k2.6 M=4, 0.08 per expert: 269 against 274 us; M=8, 0.17: 507 against 488 us
+# for block_m 16); block_m 16 wins up to 11 per expert (kimi-k2.6 M=512) and loses from 16
+# (deepseek-v3 M=512: 3122 against 2613 us for block_m 32); block_m 32 wins at 21 (kimi-k2.6
+# M=1024: 4130 against 4668 us for 64) and loses at 32 (deepseek-v3 M=1024, qwen3 M=512,
+# mixtral M=128).
+SLOTS_PER_EXPERT_ROWS = ((0.1, ONE_ROW), (12.0, TENSOR_BM16), (24.0, TENSOR_BM32))
+
+
+def table_by_slots_per_expert(shape: quant.MoEShape) -> list[tuple[int, dict]]:
+    """SLOTS_PER_EXPERT_ROWS at this shape's M: each row up to the M where M * topk / experts
+    reaches its limit (rows that would cover no M dropped), block_m 64 after the last."""
+    table, previous = [], 0
+    for per_expert, entry in SLOTS_PER_EXPERT_ROWS:
+        limit = int(per_expert * shape.experts / shape.topk + 1e-9)
+        if limit > previous:
+            table.append((limit, entry))
+            previous = limit
+    table.append((1 << 62, TENSOR_BM64))
+    return table
+
+
+# The kimi-k2.6 table (M <= 4 one-row, <= 576 block_m 16, <= 1152 block_m 32, then 64).
+TILE_TABLE: list[tuple[int, dict]] = table_by_slots_per_expert(
+    quant.MoEShape(experts=384, hidden=7168, inter=2048, topk=8, group_size=32))
+
+# The presets' shipped tables, by layer shape (`--tp 1` and `--tp 8`), each measured on an
+# H200 at its own shape (round 15: every M's winner agreed with the slots-per-expert rule, so
+# each table is that rule's output, fixed here so that a later change of the rule for other
+# shapes leaves the measured presets alone). kimi-k2.6's is TILE_TABLE itself (a tuning
+# script that edits TILE_TABLE in place edits it).
+PRESET_TABLES: dict[quant.MoEShape, list[tuple[int, dict]]] = {
+    quant.MoEShape(experts=384, hidden=7168, inter=2048, topk=8, group_size=32): TILE_TABLE,
+    # kimi-k2.6 --tp 8 (inter 256): the same slots per expert, the same M limits.
+    quant.MoEShape(experts=384, hidden=7168, inter=256, topk=8, group_size=32):
+        [(4, ONE_ROW), (576, TENSOR_BM16), (1152, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+    # deepseek-v3 (and --tp 8): 256 experts, top-8.
+    quant.MoEShape(experts=256, hidden=7168, inter=2048, topk=8, group_size=32):
+        [(3, ONE_ROW), (384, TENSOR_BM16), (768, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+    quant.MoEShape(experts=256, hidden=7168, inter=256, topk=8, group_size=32):
+        [(3, ONE_ROW), (384, TENSOR_BM16), (768, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+    # qwen3-235b-a22b (and --tp 8): 128 experts, top-8.
+    quant.MoEShape(experts=128, hidden=4096, inter=1536, topk=8, group_size=32):
+        [(1, ONE_ROW), (192, TENSOR_BM16), (384, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+    quant.MoEShape(experts=128, hidden=4096, inter=192, topk=8, group_size=32):
+        [(1, ONE_ROW), (192, TENSOR_BM16), (384, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+    # mixtral-8x7b (and --tp 8): 8 experts, top-2: every M has slots sharing an expert.
+    quant.MoEShape(experts=8, hidden=4096, inter=14336, topk=2, group_size=32):
+        [(48, TENSOR_BM16), (96, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+    quant.MoEShape(experts=8, hidden=4096, inter=1792, topk=2, group_size=32):
+        [(48, TENSOR_BM16), (96, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+}
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -839,8 +890,88 @@ def _fit(gemm: dict, k: int, n: int, group: int) -> dict:
     return dict(gemm, bn=bn, bk=bk, split=split, asm=bool(gemm.get("asm", False)))
 
 
+# ---------------------------------------------------------------------------
+# Tiles by shape and device
+# ---------------------------------------------------------------------------
+#
+# What decides each M's path is how many of its (token, expert) slots share an expert: the
+# one-row kernels pay per slot (each slot streams its expert's weights), the tensor-core
+# kernels per block of block_m rows of one expert (padding included). So a shape's table
+# follows from its slots per expert, M * topk / experts (SLOTS_PER_EXPERT_ROWS); presets ship
+# their measured tables (PRESET_TABLES), any other shape takes the rule
+# (table_by_slots_per_expert). Then the device, read at run time (device_limits), adjusts a
+# row (fit_to_device): the one-row kernels' GEMM1 takes bn 32 instead of 64 when bn 64 would
+# give fewer than four programs per SM, and a tensor-core row's stages drop until its
+# pipelined tiles fit the device's shared memory (an sm_120 or sm_89 block gets 99 KB, an
+# H100/H200 227 KB).
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What the tile choice reads off the GPU at run time."""
+
+    name: str
+    capability: tuple[int, int]
+    sm_count: int
+    smem_per_block: int  # bytes of shared memory one block may have (the opt-in maximum)
+
+
+# An H200, for choices made without a device (the CPU, tools that only compile).
+H200_LIMITS = DeviceLimits("NVIDIA H200 (assumed)", (9, 0), 132, 232448)
+
+
+def device_limits(device) -> DeviceLimits | None:
+    """The GPU's SM count and shared memory per block; None off a CUDA device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    smem = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+    if not smem:
+        try:
+            smem = int(triton.runtime.driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"])
+        except Exception:
+            smem = 48 * 1024  # what every CUDA GPU allows without opting in
+    return DeviceLimits(props.name, (props.major, props.minor), props.multi_processor_count, smem)
+
+
+def _stage_bytes(block_m: int, g: dict, gate_up: bool) -> int:
+    """Shared memory of one pipeline stage of a tensor-core GEMM: the activation tile (bf16),
+    the packed weight bytes and the scales (an upper estimate: the compiler may keep one
+    stage fewer in shared memory)."""
+    columns = g["bn"] * (2 if gate_up else 1)
+    return block_m * g["bk"] * 2 + g["bk"] // 2 * columns + g["bk"] // 32 * columns * 2
+
+
+def fit_to_device(cfg: dict, limits: DeviceLimits | None, shape: quant.MoEShape, m: int) -> dict:
+    """A table row's configuration adjusted to the device (see the section comment)."""
+    if limits is None:
+        return cfg
+    cfg = dict(cfg)
+    if cfg["g1"].get("gemv"):
+        g1 = cfg["g1"]
+        while g1["bn"] > 32 and m * shape.topk * (shape.inter // g1["bn"]) < 4 * limits.sm_count \
+                and shape.inter % (g1["bn"] // 2) == 0:
+            g1 = dict(g1, bn=g1["bn"] // 2)
+        cfg["g1"] = g1
+        return cfg
+    for which, gate_up in (("g1", True), ("g2", False)):
+        g = cfg[which]
+        while g["stages"] > 2 and g["stages"] * _stage_bytes(cfg["block_m"], g, gate_up) > limits.smem_per_block:
+            g = dict(g, stages=g["stages"] - 1)
+        cfg[which] = g
+    return cfg
+
+
+def table_for(shape: quant.MoEShape, limits: DeviceLimits | None = None) -> list[tuple[int, dict]]:
+    """The shipped table of a preset's shape, else the rule's (table_by_slots_per_expert).
+    limits: the device's, for a rule that would depend on them (none does yet: fit_to_device
+    adjusts each M's row)."""
+    table = PRESET_TABLES.get(shape)
+    return table if table is not None else table_by_slots_per_expert(shape)
+
+
 def _config_for(shape: quant.MoEShape, m: int, table=None) -> dict:
-    table = TILE_TABLE if table is None else table
+    table = table_for(shape) if table is None else table
     for limit, entry in table:
         if m <= limit:
             break
@@ -851,10 +982,12 @@ def _config_for(shape: quant.MoEShape, m: int, table=None) -> dict:
     )
 
 
-def tile_configs(shape: quant.MoEShape, m_list) -> dict[int, dict]:
-    """The tile configuration each M runs with at this shape."""
+def tile_configs(shape: quant.MoEShape, m_list, limits: DeviceLimits | None = None) -> dict[int, dict]:
+    """The tile configuration each M runs with at this shape (on a device with these limits:
+    fit_to_device; none given, as the table has it)."""
     _check_shape(shape)
-    return {int(m): _config_for(shape, int(m)) for m in m_list}
+    table = table_for(shape, limits)
+    return {int(m): fit_to_device(_config_for(shape, int(m), table), limits, shape, int(m)) for m in m_list}
 
 
 def _padded_rows(shape: quant.MoEShape, m: int, block_m: int) -> int:
@@ -885,7 +1018,7 @@ def _split_partial_elems(shape: quant.MoEShape, m: int, block_m: int, g1: dict, 
 
 def _max_split_elems(shape: quant.MoEShape, m: int, table=None) -> tuple[int, int]:
     """The largest split-K partial buffers any table row that covers some M <= m needs."""
-    table = TILE_TABLE if table is None else table
+    table = table_for(shape) if table is None else table
     g1_max = g2_max = 0
     for limit, entry in table:
         covered = min(limit, m)
@@ -918,14 +1051,15 @@ def _word_order_elems(shape: quant.MoEShape, m: int) -> tuple[int, int]:
 
 def workspace_bytes(shape: quant.MoEShape, m: int, dtype_bytes: int = 2) -> int:
     """Device bytes of the workspace for up to m tokens, output excluded."""
-    block_m = _max_block_m(m)
+    table = table_for(shape)
+    block_m = _max_block_m(m, table)
     padded = _padded_rows(shape, m, block_m)
     return (
         4 * (padded + 4 * shape.experts + 1024)  # sorted slots, per-expert counts/starts/ends/cursors
         + padded * shape.inter * dtype_bytes  # SiLU(gate) * up per sorted row
         + m * shape.topk * shape.hidden * dtype_bytes  # weighted GEMM2 output per slot
-        + 4 * sum(_max_split_elems(shape, m))  # float32 split-K partial sums (small M only)
-        + 4 * sum(_word_order_elems(shape, _gemv_max_m(m)))  # one-row kernels' operands (small M only)
+        + 4 * sum(_max_split_elems(shape, m, table))  # float32 split-K partial sums (small M only)
+        + 4 * sum(_word_order_elems(shape, _gemv_max_m(m, table)))  # one-row kernels' operands (small M only)
     )
 
 
@@ -944,9 +1078,13 @@ class TritonW4A16MoE:
         self.weights = weights
         self.shape = weights.shape
         self.max_m = max_m
-        self.table = TILE_TABLE if table is None else table
-        self._workspace: dict[torch.dtype, dict] = {}
         device = weights.w13.packed.device
+        # The shape's table fitted to the device it runs on (read here, at run time); a table
+        # given by the caller (tests, tuning scripts) runs as given.
+        self.limits = device_limits(device)
+        self._fit_device = table is None
+        self.table = table_for(self.shape, self.limits) if table is None else table
+        self._workspace: dict[torch.dtype, dict] = {}
         block_m = _max_block_m(max_m, self.table)
         self._max_padded = _padded_rows(self.shape, max_m, block_m)
         e = self.shape.experts
@@ -973,6 +1111,10 @@ class TritonW4A16MoE:
         # The activation-sized buffers depend on x's dtype: made on first use per dtype
         # (outside a graph capture: the harness warms up before capturing).
 
+    def _config(self, m: int) -> dict:
+        cfg = _config_for(self.shape, m, self.table)
+        return fit_to_device(cfg, self.limits, self.shape, m) if self._fit_device else cfg
+
     def _buffers(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if dtype not in self._workspace:
             self._workspace[dtype] = dict(
@@ -991,11 +1133,19 @@ class TritonW4A16MoE:
     def configs_used(self, m: int) -> dict:
         """The table row for M; once a GEMM of it has run on the GPU, its options say which
         MMA form ran ("mma_overlap": True for the overlapped form, see _launch)."""
-        cfg = dict(_config_for(self.shape, m, self.table))
+        cfg = dict(self._config(m))
         for which in ("g1", "g2"):
             ran = self._overlap.get((which, cfg["block_m"], json.dumps(cfg[which], sort_keys=True)))
             if ran is not None:
                 cfg[which] = dict(cfg[which], mma_overlap=ran)
+        # Which kernels run this M, and where their table came from (results say so).
+        cfg["path"] = "one-row" if cfg["g1"].get("gemv") else "tensor-core"
+        if not self._fit_device:
+            cfg["table"] = "given"
+        else:
+            cfg["table"] = "preset" if self.shape in PRESET_TABLES else "rule"
+            if self.limits is not None:
+                cfg["device"] = self.limits.name
         return cfg
 
     def _launch(self, which: str, block_m: int, g: dict, k: int, launch):
@@ -1015,7 +1165,9 @@ class TritonW4A16MoE:
         found, SASS that cannot be read) the kernel runs again with K at run time and keeps
         that form. Decided once per configuration, before any graph capture (the harness's
         warm-up and correctness check run every configuration first)."""
-        if self._device.type != "cuda" or not g.get("swap"):
+        if self._device.type != "cuda" or not g.get("swap") or (self.limits and self.limits.capability != (9, 0)):
+            # The overlapped form is only ever kept with Hopper's warp-group MMAs (the check
+            # knows no other): elsewhere compile the form that runs and nothing more.
             return launch(0)
         key = (which, block_m, json.dumps(g, sort_keys=True))
         ok = self._overlap.get(key)
@@ -1035,7 +1187,7 @@ class TritonW4A16MoE:
         x = x.contiguous()
         topk_ids = topk_ids.to(torch.int32).contiguous()
         topk_weights = topk_weights.to(torch.float32).contiguous()
-        cfg = _config_for(self.shape, m, self.table)
+        cfg = self._config(m)
         if cfg["g1"].get("gemv"):
             self.word_order(x, topk_ids, by_expert=cfg["g1"].get("sort", False))
             self.gemv1(x, cfg["g1"])

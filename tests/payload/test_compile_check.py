@@ -1,0 +1,89 @@
+"""tools/compile_check.py's portability check (issue 17, item 5), without a GPU.
+
+The fast test compiles every configuration kimi-k2.6's table uses on every architecture the
+tool knows of the five issue 17 names, plus mixtral-8x7b's (another expert count and top-k,
+so other kernel constants) on sm_90: about 45 compiles, about a minute on two cores. The whole
+check (every preset at --tp 1 and 8, about 160 compiles) runs with MOE_BENCH_FULL_COMPILE_CHECK=1
+or as `make compile-check`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ARCHS = "sm_80,sm_89,sm_90,sm_100,sm_120"
+
+
+def _triton_nvidia_tools() -> bool:
+    try:
+        import triton
+    except ImportError:
+        return False
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    return (tools / "ptxas").exists() and (tools / "cuobjdump").exists()
+
+
+pytestmark = pytest.mark.skipif(not _triton_nvidia_tools(), reason="Triton with its NVIDIA backend tools is needed")
+
+
+def run_check(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # the tool compiles for real GPU targets
+    env["PYTHONPATH"] = os.pathsep.join((str(REPO_ROOT / "files"), str(REPO_ROOT / "tools")))
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default, stated (newer Triton warns otherwise)
+    return subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "compile_check.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO_ROOT)
+
+
+def _assert_clean(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " 0 failed" in result.stdout
+    assert "FAIL" not in result.stdout
+
+
+def test_kimi_table_compiles_and_fits_on_every_architecture():
+    jobs = str(min(2, os.cpu_count() or 1))
+    _assert_clean(run_check("--arch", ARCHS, "--preset", "kimi-k2.6", "--tp", "1", "--jobs", jobs))
+    _assert_clean(run_check("--arch", "sm_90", "--preset", "mixtral-8x7b", "--tp", "1", "--jobs", jobs))
+
+
+@pytest.mark.skipif(os.environ.get("MOE_BENCH_FULL_COMPILE_CHECK") != "1",
+                    reason="the whole check takes minutes: MOE_BENCH_FULL_COMPILE_CHECK=1 or make compile-check")
+def test_every_preset_compiles_and_fits_on_every_architecture():
+    _assert_clean(run_check("--arch", ARCHS, "--preset", "all", "--jobs", str(os.cpu_count() or 1), timeout=3600))
+
+
+def test_a_configuration_over_the_shared_memory_of_an_architecture_fails():
+    # In a process of its own: this one runs Triton's interpreter (conftest.py), which does not compile.
+    code = (
+        "import json, compile_check\n"
+        "deep = dict(bn=128, bk=128, warps=4, stages=6, post=False, whole=True, swap=True, split=1, asm=True)\n"
+        "job = dict(arch=120, which=2, block_m=64, g=deep, group=32, topk=8, num_bins=512, k=0, overlap=False,\n"
+        "           by_expert=None, used_by=['a made-up row'])\n"
+        "print(json.dumps(compile_check.check_job(job)['problems']))\n"
+    )
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = os.pathsep.join((str(REPO_ROOT / "files"), str(REPO_ROOT / "tools")))
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                            cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    problems = result.stdout.strip().splitlines()[-1]
+    assert "shared memory" in problems and "over sm_120" in problems, problems
+
+
+def test_unknown_architecture_and_preset_are_refused():
+    result = run_check("--arch", "sm_70", "--preset", "all")
+    assert result.returncode == 2 and "unknown architecture" in result.stderr
+    result = run_check("--preset", "no-such-model")
+    assert result.returncode == 2 and "unknown preset" in result.stderr
+
+

@@ -1,0 +1,66 @@
+"""Tiles by shape and device (triton_moe: PRESET_TABLES, table_by_slots_per_expert,
+fit_to_device): pure Python, no kernel runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_bench import presets, quant
+from moe_bench import triton_moe as tm
+
+PRESET_SHAPES = [presets.PRESETS[name].shape(tp) for name in ("kimi-k2.6", "deepseek-v3", "qwen3-235b-a22b",
+                                                                "mixtral-8x7b") for tp in (1, 8)]
+
+
+@pytest.mark.parametrize("shape", PRESET_SHAPES, ids=lambda s: f"E{s.experts}-H{s.hidden}-I{s.inter}-k{s.topk}")
+def test_every_preset_shape_ships_a_table_the_rule_agrees_with(shape):
+    assert shape in tm.PRESET_TABLES
+    assert tm.table_for(shape) is tm.PRESET_TABLES[shape]
+    # Round 15 measured each preset's winners to follow slots per expert: the shipped table is
+    # that rule's output (a change of the rule must be measured on the presets first).
+    assert tm.PRESET_TABLES[shape] == tm.table_by_slots_per_expert(shape)
+
+
+def test_kimi_table_is_the_tile_table_and_its_limits():
+    kimi = presets.PRESETS["kimi-k2.6"].shape()
+    assert tm.PRESET_TABLES[kimi] is tm.TILE_TABLE
+    assert [limit for limit, _ in tm.TILE_TABLE][:-1] == [4, 576, 1152]
+    assert [entry["block_m"] for _, entry in tm.TILE_TABLE] == [1, 16, 32, 64]
+
+
+def test_rule_for_another_shape_follows_slots_per_expert():
+    shape = quant.MoEShape(experts=64, hidden=2048, inter=768, topk=4, group_size=32)  # 16 tokens per slot/expert
+    table = tm.table_for(shape)
+    assert shape not in tm.PRESET_TABLES
+    assert [(limit, entry["block_m"]) for limit, entry in table] == [(1, 1), (192, 16), (384, 32), (1 << 62, 64)]
+    # Few experts, top-2: every M has slots that share an expert: no one-row row at all.
+    few = quant.MoEShape(experts=4, hidden=256, inter=256, topk=2, group_size=32)
+    assert all(entry["block_m"] >= 16 for _, entry in tm.table_for(few))
+
+
+def test_fit_to_device_drops_stages_to_the_shared_memory_and_narrows_small_grids():
+    shape = presets.PRESETS["kimi-k2.6"].shape()
+    cfg = tm._config_for(shape, 2048)
+    small = tm.DeviceLimits("made-up GPU", (8, 9), 100, 40 * 1024)
+    fitted = tm.fit_to_device(cfg, small, shape, 2048)
+    for which, gate_up in (("g1", True), ("g2", False)):
+        g = fitted[which]
+        assert g["stages"] * tm._stage_bytes(cfg["block_m"], g, gate_up) <= small.smem_per_block or g["stages"] == 2
+        assert g["stages"] <= cfg[which]["stages"]
+    assert fitted["g2"]["stages"] < cfg["g2"]["stages"]
+    assert tm.fit_to_device(cfg, tm.H200_LIMITS, shape, 2048) == cfg  # an H200 fits every shipped row
+    assert tm.fit_to_device(cfg, None, shape, 2048) == cfg  # the CPU: as the table has it
+    # One-row rows: bn 64 halves when it would give fewer than four programs per SM.
+    wide = dict(cfg, block_m=1, g1=dict(tm.ONE_ROW["g1"], bn=64), g2=tm.ONE_ROW["g2"])
+    tp8 = presets.PRESETS["kimi-k2.6"].shape(8)
+    assert tm.fit_to_device(wide, tm.H200_LIMITS, tp8, 1)["g1"]["bn"] == 32
+    assert tm.fit_to_device(wide, tm.H200_LIMITS, shape, 64)["g1"]["bn"] == 64
+
+
+def test_configs_used_names_the_path_and_the_table():
+    shape = quant.MoEShape(experts=64, hidden=256, inter=128, topk=2, group_size=32)  # one-row up to M=3
+    moe = tm.TritonW4A16MoE(quant.random_weights(shape, "cpu"), max_m=64)
+    assert moe.configs_used(1)["path"] == "one-row" and moe.configs_used(1)["table"] == "rule"
+    assert moe.configs_used(64)["path"] == "tensor-core"
+    given = tm.TritonW4A16MoE(quant.random_weights(shape, "cpu"), max_m=4, table=[(1 << 62, tm.TENSOR_BM16)])
+    assert given.configs_used(4)["table"] == "given"

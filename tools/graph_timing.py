@@ -1,0 +1,244 @@
+"""An independent timing of the triton backend's forward, beside the harness's own (issue 17).
+
+The harness (moe_bench.timing) captures one CUDA graph per routing and takes the median of
+event-timed replays of single forwards. This script measures another way: per M, one CUDA
+graph of 8 forwards over 8 different routings, replayed many times, timed with a pair of
+events around each replay; the figure is the mean per forward (replay time / 8), the median
+over replays. No event sits between two forwards, so nothing of the launch gaps the harness
+sees between its replays enters here, and consecutive forwards read different expert sets
+(the L2 cannot hold one M=1 set of kimi-k2.6's experts, let alone 8).
+
+Every M is checked against the float32 reference (moe_bench.backends.reference_moe) on
+fresh inputs, with the workspace and output poisoned, before it is timed; an M that fails is
+reported and not timed. Each M's figure is compared with the harness's median: they must
+agree within --agree-pct (5%), else the exit code is 1. Two ways to get the harness's figure:
+  --harness       the harness runs first, whole, in the same process (same preset, shape, M
+                  list and seed; its results JSON to --harness-out), then this script;
+  --interleave R  per M, R rounds of the harness's own timing routine (moe_bench.cli.time_one_m,
+                  on the backend this script times) alternating with this script's; each
+                  side's median over the rounds is compared. At large M the H200 reaches its
+                  power limit within a second and the clock then depends on what ran just
+                  before (PERFORMANCE.md): measured a minute apart, the two ways differed by up
+                  to 10% in either direction at some M (round 15), interleaved they measure
+                  the same state of the GPU. With both, --interleave gives the comparison.
+
+  PYTHONPATH=files python3 tools/graph_timing.py --preset kimi-k2.6 [--tp 8] \
+      [--m-list 1,2,...,8192] [--interleave 2] [--harness --harness-out h.json] --out g.json
+
+The floor: max(bytes / bandwidth, FLOPs / matmul rate) of moe_bench.perfmodel (expected
+distinct experts), at 4.3 TB/s and 790 TFLOP/s (field-notes section 2; the issue's bars),
+and, with --harness, also at the ceilings the harness measured in its run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from moe_bench import cli, perfmodel, presets, quant
+from moe_bench import triton_moe as tm
+from moe_bench.backends import reference_moe
+
+FIELD_NOTES_BANDWIDTH_GBPS = 4300.0
+FIELD_NOTES_TFLOPS = 790.0
+FORWARDS_PER_GRAPH = 8
+
+
+def driver_version() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def activation_dtype(device) -> torch.dtype:
+    """bf16 on a GPU; float32 on the CPU (Triton's interpreter computes bf16 dots wrongly),
+    where this script runs only to exercise its own control flow."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def check_m(moe, weights, shape, m: int, device, seed: int) -> float | None:
+    """Relative error against the float32 reference on fresh inputs; None when the output holds
+    NaN (a row never written: workspace and output poisoned first)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed * 7777 + m)
+    x, ids, wts = cli.make_inputs(shape, m, activation_dtype(device), device, generator)
+    for ws in moe._workspace.values():
+        for buf in ws.values():
+            buf.fill_(float("nan"))
+    for buf in moe._partials.values():
+        buf.fill_(float("nan"))
+    out = cli.poisoned_call(moe, x, ids, wts, shape.hidden)
+    ref = reference_moe(weights, x, ids, wts)
+    return cli.relative_error(out, ref)
+
+
+def graph_time_us(moe, shape, m: int, device, seed: int, replays: int, budget_s: float) -> dict:
+    """Mean us per forward of one graph of FORWARDS_PER_GRAPH forwards over as many routings."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed * 1_000_003 + m + 17)
+    sets = [cli.make_inputs(shape, m, activation_dtype(device), device, generator) for _ in range(FORWARDS_PER_GRAPH)]
+    for x, ids, wts in sets:  # compiles and decides each configuration's MMA form before capture
+        moe(x, ids, wts)
+    if device.type != "cuda":  # control flow only: one timed pass over the routings
+        started = time.perf_counter()
+        for x, ids, wts in sets:
+            moe(x, ids, wts)
+        us = (time.perf_counter() - started) * 1e6 / FORWARDS_PER_GRAPH
+        return {"us": us, "us_mean": us, "us_min": us, "us_max": us, "replays": 1}
+    torch.cuda.synchronize(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for x, ids, wts in sets:
+            moe(x, ids, wts)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    outputs = []
+    with torch.cuda.graph(graph):
+        for x, ids, wts in sets:
+            outputs.append(moe(x, ids, wts))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize(device)
+    per_forward = []
+    started = time.perf_counter()
+    while len(per_forward) < replays and (len(per_forward) < 5 or time.perf_counter() - started < budget_s):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        per_forward.append(start.elapsed_time(end) * 1e3 / FORWARDS_PER_GRAPH)
+    del graph, outputs
+    return {"us": statistics.median(per_forward), "us_mean": statistics.fmean(per_forward),
+            "us_min": min(per_forward), "us_max": max(per_forward), "replays": len(per_forward)}
+
+
+def path_of(config: dict) -> str:
+    """Which kernels an M ran: the one-row (CUDA-core) path or the tensor-core one, and for the
+    latter whether its warp-group MMAs ran overlapped (TritonW4A16MoE._launch)."""
+    if config["g1"].get("gemv"):
+        return "one-row" + ("/by-expert" if config["g1"].get("sort") else "")
+    overlap = [config[g].get("mma_overlap") for g in ("g1", "g2")]
+    form = "overlapped" if all(overlap) else ("serialised" if not any(o is None for o in overlap) else "mma-?")
+    return f"tensor-core bm{config['block_m']} {form}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="kimi-k2.6", choices=sorted(presets.PRESETS))
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--m-list", default="1,2,4,8,16,32,64,128,256,512,1024,2048")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--replays", type=int, default=200)
+    parser.add_argument("--budget-s", type=float, default=1.5, help="stop replaying an M after this (at least 5)")
+    parser.add_argument("--harness", action="store_true", help="run the harness first and compare its medians")
+    parser.add_argument("--harness-out", default="", help="with --harness: its results JSON")
+    parser.add_argument("--interleave", type=int, default=0,
+                        help="rounds per M of the harness's own timing (moe_bench.cli.time_one_m, same backend) "
+                             "alternating with this script's; the figures compared are each one's median over the rounds")
+    parser.add_argument("--agree-pct", type=float, default=5.0)
+    parser.add_argument("--out", default="")
+    parser.add_argument("--device", default="cuda:0", help="cpu: the script's control flow only (interpreter)")
+    args = parser.parse_args(argv)
+
+    m_list = sorted({int(v) for v in args.m_list.split(",")})
+    device = torch.device(args.device)
+    shape = presets.PRESETS[args.preset].shape(args.tp)
+    harness_rows, harness_ceilings = {}, None
+    if args.harness:
+        harness_out = args.harness_out or "/tmp/graph_timing_harness.json"
+        code = cli.main(["--preset", args.preset, "--tp", str(args.tp), "--backend", "triton", "--device", args.device,
+                         "--m-list", ",".join(map(str, m_list)), "--seed", str(args.seed), "--out", harness_out])
+        if code != 0:
+            print(f"harness exited {code}", flush=True)
+            return code
+        with open(harness_out) as fh:
+            results = json.load(fh)
+        harness_rows = {row["m"]: row for row in results["results"]}
+        harness_ceilings = results.get("ceilings")
+        torch.cuda.empty_cache()
+
+    weights = quant.random_weights(shape, device, seed=args.seed)
+    from moe_bench.backends import create_backend
+
+    backend = create_backend("triton", weights, max(m_list), activation_dtype(device))
+    moe = backend.impl
+    settings = None
+    if args.interleave:
+        # The harness's own per-M timing, on this backend, with the ceilings it would measure.
+        settings = cli.parse_settings(["--preset", args.preset, "--tp", str(args.tp), "--backend", "triton",
+                                       "--device", args.device, "--m-list", ",".join(map(str, m_list)),
+                                       "--seed", str(args.seed)])
+        harness_ceilings = cli.resolve_ceilings(settings, device)
+    report = dict(tool="tools/graph_timing.py", argv=sys.argv[1:], preset=args.preset, tp=args.tp,
+                  shape=shape.__dict__, started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", driver=driver_version(), torch=torch.__version__,
+                  triton=tm.triton.__version__, harness_ceilings=harness_ceilings, interleave=args.interleave, rows=[])
+    failed = False
+    print(f"{args.preset} tp{args.tp} {shape} on {report['device']}, driver {report['driver']}, "
+          f"triton {report['triton']}", flush=True)
+    header = (f"{'M':>5} {'graph us':>10} {'%floor fn':>9} {'harness us':>10} {'%floor run':>10} {'diff %':>7} "
+              f"{'rel err':>8}  path")
+    lines = []
+    for m in m_list:
+        error = check_m(moe, weights, shape, m, device, args.seed)
+        ok = error is not None and error <= cli.RELATIVE_ERROR_BOUND["bfloat16"]
+        row = dict(m=m, rel_err=error, ok=ok)
+        if ok and settings is not None:
+            rounds = []
+            for _ in range(args.interleave):
+                _, harness_timing = cli.time_one_m(settings, backend, m, activation_dtype(device), device)
+                rounds.append((harness_timing.us, graph_time_us(moe, shape, m, device, args.seed, args.replays,
+                                                                args.budget_s)))
+            row.update(rounds[len(rounds) // 2][1] if len(rounds) % 2 else rounds[0][1])
+            row["us"] = statistics.median(graph["us"] for _, graph in rounds)
+            row["graph_rounds_us"] = [graph["us"] for _, graph in rounds]
+            row["harness_rounds_us"] = [us for us, _ in rounds]
+            floor_run = perfmodel.floor_us(shape, m, harness_ceilings["bandwidth_gbps"], harness_ceilings["tflops"])
+            harness_us = statistics.median(us for us, _ in rounds)
+            harness_rows[m] = {"us": harness_us, "pct_of_floor": 100 * floor_run / harness_us}
+        elif ok:
+            row.update(graph_time_us(moe, shape, m, device, args.seed, args.replays, args.budget_s))
+        if ok:
+            floor_fn = perfmodel.floor_us(shape, m, FIELD_NOTES_BANDWIDTH_GBPS, FIELD_NOTES_TFLOPS)
+            row["floor_field_notes_us"] = floor_fn
+            row["pct_field_notes_floor"] = 100 * floor_fn / row["us"]
+        else:
+            failed = True
+        row["config"] = moe.configs_used(m)
+        row["path"] = path_of(row["config"])
+        harness = harness_rows.get(m)
+        if harness and ok:
+            row["harness_us"] = harness["us"]
+            row["harness_pct_of_floor"] = harness["pct_of_floor"]
+            row["diff_pct"] = 100 * (harness["us"] - row["us"]) / row["us"]
+            if abs(row["diff_pct"]) > args.agree_pct:
+                failed = True
+        report["rows"].append(row)
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(report, fh, indent=1, default=str)
+        line = (f"{m:5d} {row.get('us', float('nan')):10.1f} {row.get('pct_field_notes_floor', float('nan')):9.1f} "
+                f"{row.get('harness_us', float('nan')):10.1f} {row.get('harness_pct_of_floor', float('nan')):10.1f} "
+                f"{row.get('diff_pct', float('nan')):7.1f} {error if error is not None else float('nan'):8.1e}  "
+                f"{row['path']}" + ("" if ok else "  CORRECTNESS FAILED: not timed"))
+        lines.append(line)
+        print(line, flush=True)
+    print(f"\n{args.preset} tp{args.tp} ({report['started_at']}, driver {report['driver']}, triton {report['triton']})")
+    print(header)
+    print("\n".join(lines))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
