@@ -34,7 +34,8 @@ def test_check_mode_previews_every_host_and_changes_nothing(simhost, run_playboo
     assert downtime >= stop + memory + bench + load
     assert "Check mode: nothing was changed on %s" % simhost.name in text, run.describe()
     # --diff shows the lock a real run would write.
-    assert re.search(r'\+\s+"run_id": "\d{8}T\d{6}Z-[0-9a-f]{6}"', run.stdout), run.describe()
+    assert re.search(r'"would_write": "%s/lock"' % STATE_DIR, run.stdout), run.describe()
+    assert re.search(r'"run_id": "\d{8}T\d{6}Z-[0-9a-f]{6}"', run.stdout), run.describe()
     # Nothing changed anywhere: no stop, no files on the host, no timer, nothing on the controller.
     assert simhost.stop_count(since) == 0
     assert host_snapshot(simhost) == before
