@@ -323,8 +323,9 @@ def _lint_config(tmp_path, mock_awx):
 
 
 def _installed_awx_collection():
-    """Path of an installed awx.awx collection (None here; present for operators)."""
+    """Path of an installed awx.awx collection (scripts/bootstrap puts one in .venv/collections)."""
     roots = os.environ.get("ANSIBLE_COLLECTIONS_PATH", "").split(os.pathsep) + [
+        str(REPO / ".venv" / "collections"),
         str(pathlib.Path.home() / ".ansible" / "collections"),
         "/usr/share/ansible/collections",
     ]
@@ -340,7 +341,8 @@ def test_awx_configure_passes_ansible_lint_and_syntax_check(tmp_path):
     # its mock_modules stand in for the collection's module names.
     config = _lint_config(tmp_path, mock_awx=_installed_awx_collection() is None)
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), HOME=str(tmp_path))
-    env["ANSIBLE_COLLECTIONS_PATH"] = os.environ.get("ANSIBLE_COLLECTIONS_PATH", "")
+    env["ANSIBLE_COLLECTIONS_PATH"] = os.pathsep.join(filter(None, [
+        os.environ.get("ANSIBLE_COLLECTIONS_PATH", ""), str(REPO / ".venv" / "collections")]))
     result = subprocess.run(
         [str(VENV_BIN / "ansible-lint"), "-c", str(config), "--nocolor", str(AWX_CONFIGURE.relative_to(REPO))],
         cwd=REPO,
