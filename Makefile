@@ -2,6 +2,9 @@
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 VENV := .venv
+# Test files of the integration phase run at once, each against its own simulated host: most of
+# a playbook run waits on SSH round trips and the hosts' own sleeps, so two overlap on 2 cores.
+INTEGRATION_WORKERS ?= 2
 ANSIBLE_PLAYBOOK := $(VENV)/bin/ansible-playbook
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
@@ -61,7 +64,7 @@ molecule: venv host-image
 	tests/run-molecule
 
 integration: venv host-image ee-image controller-user
-	$(VENV)/bin/pytest -q tests/integration --junitxml=.cache/junit-integration.xml
+	$(VENV)/bin/pytest -q -n $(INTEGRATION_WORKERS) --dist loadfile tests/integration --junitxml=.cache/junit-integration.xml
 
 clean: host-down
 	rm -rf results
