@@ -75,9 +75,10 @@ def test_killed_controller_rerun_reattaches_to_the_same_job(simhost, start_playb
     assert_reattached_and_recovered(simhost, second, results_dir, run_id, job["jid"], since)
 
 
-def test_controller_that_never_returns_is_covered_by_the_deadman_timer(simhost, start_playbook):
-    # Planned downtime = stop 5 + memory wait 5 + async limit 60 + load 5 = 75 s, margin 0:
-    # the dead-man timer fires 75 s after it is armed.
+def test_controller_that_never_returns_is_covered_by_the_deadman_timer(simhost, start_playbook, run_playbook):
+    # Deadline = stop (the unit's own TimeoutStopSec 30 s beats the planned 5 s) + stop margin 15
+    # + memory wait 5 + async limit 60 + one bench poll 1 + load 5 + one health poll 1 + settle 2,
+    # margin 0: the dead-man timer fires 119 s after it is armed.
     budgets = {"moe_bench_m_list": LONG_M_LIST, "moe_bench_stop_timeout_s": 5, "moe_bench_vram_timeout_s": 5,
                "moe_bench_bench_budget_s": 60, "moe_bench_async_margin_s": 0, "moe_bench_load_budget_s": 5,
                "moe_bench_deadman_margin_s": 0, "moe_bench_bench_poll_s": 1}
@@ -90,7 +91,7 @@ def test_controller_that_never_returns_is_covered_by_the_deadman_timer(simhost, 
     assert simhost.unit_active() in ("inactive", "failed")
     deadman = simhost.read_json("%s/runs/%s/deadman.json" % (STATE_DIR, run_id))
     assert deadman and str(deadman["armed"]).lower() == "true", deadman
-    assert int(deadman["delay_s"]) == 75, deadman
+    assert int(deadman["delay_s"]) == 30 + 15 + 5 + 60 + 1 + 5 + 1 + 2, deadman
     assert simhost.timer_loaded()
     deadline = int(deadman["deadline_epoch"])
 
@@ -103,6 +104,18 @@ def test_controller_that_never_returns_is_covered_by_the_deadman_timer(simhost, 
     simhost.wait_healthy(timeout=30)
     assert "moe-bench dead-man switch" in simhost.journal(unit="moe-bench-deadman-fake-inference.service") + \
         simhost.exec("journalctl --no-pager -o cat | grep -i dead-man || true").stdout
+    # The lock of the vanished run is still there: the matrix's next step clears it, and leaves
+    # the service healthy without a second start.
+    assert simhost.read_json("%s/lock" % STATE_DIR)["run_id"] == run_id
+    pid = simhost.unit_show()["MainPID"]
+    recover = run_playbook(simhost, {"moe_bench_unit": "fake-inference.service", "moe_bench_health_poll_s": 1,
+                                     "moe_bench_health_url": "http://127.0.0.1:30000/health",
+                                     "moe_bench_health_settle_s": 2},
+                           playbook="service_recover.yml", raw_vars=True)
+    assert recover.rc == 0, recover.describe()
+    assert simhost.unit_show()["MainPID"] == pid and simhost.health_status() == 200
+    assert not simhost.timer_loaded()
+    assert simhost.exec("test -e %s/lock" % STATE_DIR, check=False).returncode != 0, "lock not cleared"
 
 
 def test_connection_cut_mid_run_job_continues_and_next_run_recovers(simhost, start_playbook, run_playbook,
