@@ -4,6 +4,7 @@ SHELL := /bin/bash
 VENV := .venv
 # Test files of the integration phase run at once, each against its own simulated host: most of
 # a playbook run waits on SSH round trips and the hosts' own sleeps, so two overlap on 2 cores.
+# A short --basetemp: SSH's ControlPath under a test's folder must fit a Unix socket's path.
 INTEGRATION_WORKERS ?= 2
 ANSIBLE_PLAYBOOK := $(VENV)/bin/ansible-playbook
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
@@ -64,7 +65,7 @@ molecule: venv host-image
 	tests/run-molecule
 
 integration: venv host-image ee-image controller-user
-	$(VENV)/bin/pytest -q -n $(INTEGRATION_WORKERS) --dist loadfile tests/integration --junitxml=.cache/junit-integration.xml
+	$(VENV)/bin/pytest -q -n $(INTEGRATION_WORKERS) --dist loadfile --basetemp=/tmp/moe-bench-it tests/integration --junitxml=.cache/junit-integration.xml
 
 clean: host-down
 	rm -rf results

@@ -83,8 +83,13 @@ def test_payload_past_its_budget_is_stopped_and_service_restored(simhost, run_pl
     # before the poll that noticed it), allowing one poll interval for the kill to land.
     wait_until(lambda: not simhost.payload_pids(), timeout=poll_s, interval=0.2, what="payload gone")
     assert_service_restored(simhost)
-    # What was measured is kept, with a status that says the run did not complete.
-    run_dir, results = fetched_results(results_dir, simhost)
-    assert results["status"] != "complete", results["status"]
-    assert len(results["results"]) < len(LONG_M_LIST.split(","))
+    # What was measured is kept, with a status that says the run did not complete (on a slow
+    # machine the kill can come before the payload's first write: then there is no results file,
+    # and its log shows it never finished).
+    (run_dir,) = fetched_run_dirs(results_dir, simhost)
     assert (run_dir / "bench.log").exists(), sorted(p.name for p in run_dir.iterdir())
+    if (run_dir / "results.json").exists():
+        results = json.loads((run_dir / "results.json").read_text())
+        assert results["status"] != "complete", results["status"]
+        assert len(results["results"]) < len(LONG_M_LIST.split(","))
+    assert "complete:" not in (run_dir / "bench.log").read_text()
