@@ -160,11 +160,12 @@ def moe_bench_plan(settings, now_epoch=None):
     if corrected:
         stop_s = unit_stop_s
     stop_wait_s = int(math.ceil(stop_s + value["stop_margin_s"]))
+    vram_total_s = int(math.ceil(value["vram_wait_s"] * value["vram_waits"]))
     epoch = time.time() if now_epoch is None else float(_number("now_epoch", now_epoch))
     # Downtime: from the stop to the first healthy answer, each part at its limit.
     planned_downtime_s = int(math.ceil(
         stop_wait_s
-        + value["vram_wait_s"] * value["vram_waits"]
+        + vram_total_s
         + async_limit_s + value["poll_interval_s"]
         + value["load_budget_s"] + value["health_poll_s"]))
     # The dead-man switch must never fire inside a legitimate run: the settle period after the
@@ -183,6 +184,7 @@ def moe_bench_plan(settings, now_epoch=None):
         "stop_s": stop_s,
         "stop_corrected_from_unit": corrected,
         "stop_wait_s": stop_wait_s,
+        "vram_total_s": vram_total_s,
         "planned_downtime_s": planned_downtime_s,
         "deadman_delay_s": deadman_delay_s,
         "lock_ttl_s": int(math.ceil(deadman_delay_s + value["lock_ttl_margin_s"])),

@@ -53,6 +53,7 @@ def test_deadline_covers_the_longest_legitimate_run():
     result = plan(unit_stop_timeout_s="5min", stop_margin_s=30, vram_waits=2, settle_s=30)
     assert result["stop_corrected_from_unit"] is True
     assert result["stop_s"] == 300 and result["stop_wait_s"] == 330
+    assert result["vram_total_s"] == 2 * 120
     longest_run = (300 + 30) + 2 * 120 + (600 + 120) + 10 + 900 + 15 + 30
     assert result["deadman_delay_s"] == longest_run + 600
     # Every part at its limit still ends before the timer (the margin 0 is the tightest case).
