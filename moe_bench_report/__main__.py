@@ -50,14 +50,46 @@ def parser() -> argparse.ArgumentParser:
     build.add_argument("--project-dir", type=Path, help="project checkout whose git commit the manifest records")
     build.add_argument("--tp-results", type=Path,
                        help="the tensor-parallel run's results JSON (default RUN_DIR/results-tp.json when it exists)")
+    build.add_argument("--gpu-outlier", type=_fraction, default=0.10,
+                       help="one payload per GPU: flag a GPU this fraction over the host's median GPU at any M (default 0.10)")
     build.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     build.add_argument("--print", dest="print_format", choices=("text", "json"), default="text",
                        help="stdout: the console summary (text) or the headline and console lines (json)")
+    fleet = commands.add_parser("fleet", help="write the fleet report of a rollout")
+    fleet.add_argument("--fleet-dir", required=True, type=Path, help="controller folder of the fleet report")
+    fleet.add_argument("--hosts-json", required=True, type=Path,
+                       help="JSON list: one {host, outcome, why, run_dir, run_id} per targeted host")
+    fleet.add_argument("--fleet-id", help="the rollout's id (shown in the titles)")
+    fleet.add_argument("--outlier", type=_fraction, default=0.10,
+                       help="flag a host/GPU this fraction over the fleet's median at any M (default 0.10)")
+    fleet.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    fleet.add_argument("--print", dest="print_format", choices=("text", "json"), default="text")
     return top
+
+
+def fleet_main(arguments) -> int:
+    from .build import schema_module
+    from .fleet import build_fleet
+
+    try:
+        hosts = json.loads(arguments.hosts_json.read_text(encoding="utf-8"))
+        fleet = build_fleet(arguments.fleet_dir, hosts, schema_module().load_results, arguments.outlier,
+                            plots=not arguments.no_plots, fleet_id=arguments.fleet_id)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        print(f"moe_bench_report: the fleet report in {arguments.fleet_dir} could not be written: {error}. "
+              "The host reports are untouched.", file=sys.stderr)
+        return 3
+    if arguments.print_format == "json":
+        print(json.dumps({key: fleet[key] for key in ("fleet_id", "counts", "hosts", "outliers", "console")}))
+    else:
+        print("\n".join(fleet["console"]))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     arguments = parser().parse_args(argv)
+    if arguments.command == "fleet":
+        return fleet_main(arguments)
     given: dict = {}
     if arguments.timeline_json is not None:
         try:
@@ -90,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             project_dir=arguments.project_dir,
             plots=not arguments.no_plots,
             tp_results_path=arguments.tp_results,
+            gpu_outlier=arguments.gpu_outlier,
         )
     except (OSError, ValueError) as error:
         print(

@@ -22,6 +22,8 @@ from .figures import (
     tp_layer_rows,
 )
 from .manifest import build_manifest, launch_info, project_revision
+from . import gpus as gpus_module
+from .gpus import DEFAULT_GPU_OUTLIER
 from .summary import console_lines, headline, markdown
 
 SUMMARY_SCHEMA = "moe_bench_report.summary"
@@ -81,6 +83,7 @@ def build_report(
     environ: dict | None = None,
     plots: bool = True,
     tp_results_path: str | os.PathLike | None = None,
+    gpu_outlier: float = DEFAULT_GPU_OUTLIER,
 ) -> dict:
     """Write manifest.json, summary.md, summary.json and the plots into `run_dir`, update the
     host's history.json and index.md and the results index; return the summary dict."""
@@ -172,6 +175,9 @@ def build_report(
         schema.atomic_write_text(results_root / "index.md", history_module.results_index_markdown(results_root))
 
     tp = _tensor_parallel(run_dir, document, rows, tp_results_path)
+    gpu_paths = gpus_module.gpu_result_paths(run_dir, plan)
+    gpus = gpus_module.gpu_section(gpus_module.load_documents(gpu_paths, schema.load_results), gpu_outlier) \
+        if gpu_paths else None
 
     files = {
         "manifest": str(run_dir / "manifest.json"),
@@ -180,6 +186,7 @@ def build_report(
         "per_token_png": None,
         "total_time_png": None,
         "tp_layer_png": None,
+        "per_gpu_png": None,
         "history": str(host_dir / "history.json"),
         "host_index": str(host_dir / "index.md"),
     }
@@ -214,6 +221,13 @@ def build_report(
             "single_gpu_config": tp["single_gpu_config_label"],
         })
 
+    if plots and gpus and gpus["per_m"]:
+        from .plots import plot_per_gpu
+
+        files["per_gpu_png"] = str(run_dir / "per_gpu.png")
+        plot_per_gpu(Path(files["per_gpu_png"]), gpus, {"host": host, "run_id": run_id,
+                                                        "config": history_module.config_label(key)})
+
     summary = {
         "schema": SUMMARY_SCHEMA,
         "version": REPORT_VERSION,
@@ -236,12 +250,13 @@ def build_report(
         "regression": regression,
         "correctness": (document or {}).get("correctness") or [],
         "tp": tp,
+        "gpus": gpus,
         "manifest": manifest,
         "files": files,
     }
     summary["headline"] = headline(summary)
     summary["console"] = console_lines(summary)
-    schema.atomic_write_text(summary_md_path, markdown(summary))
+    schema.atomic_write_text(summary_md_path, markdown(summary) + ("\n" + gpus_module.markdown(gpus) if gpus else ""))
     schema.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
 

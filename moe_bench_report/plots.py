@@ -270,3 +270,43 @@ def plot_tp_layer(path: Path, rows: list[dict], context: dict) -> None:
         figure.savefig(path, dpi=FIGURE_DPI)
     finally:
         plt.close(figure)
+
+
+def plot_series(path: Path, series: dict[str, dict[int, float]], title: str, flagged: set[tuple[str, int]],
+                threshold: float) -> None:
+    """Time per token against M, one line per series (a GPU of a host, or host/GPU of a fleet);
+    the points flagged as outliers circled in red."""
+    ms = sorted({m for values in series.values() for m in values})
+    figure, axes = plt.subplots(figsize=FIGURE_SIZE_IN, dpi=FIGURE_DPI)
+    try:
+        for label, values in sorted(series.items()):
+            points = sorted(values.items())
+            if not points:
+                continue
+            axes.plot([m for m, _ in points], [v for _, v in points], marker="o", markersize=3, linewidth=1.2,
+                      label=label)
+        marked = [(m, series[label][m]) for label, m in sorted(flagged) if m in series.get(label, {})]
+        if marked:
+            axes.scatter([m for m, _ in marked], [v for _, v in marked], s=120, facecolors="none",
+                         edgecolors=SLOWER_COLOUR, linewidths=2, zorder=5,
+                         label=f"more than {threshold * 100:.0f}% over the median")
+        _time_axis(axes, "time per token (µs, log scale; lower is better)")
+        if ms:
+            _m_axis(axes, ms)
+        axes.set_title(title, fontsize=11)
+        axes.legend(loc="lower left", fontsize=8, framealpha=0.9, ncol=2)
+        figure.tight_layout()
+        figure.savefig(path, dpi=FIGURE_DPI)
+    finally:
+        plt.close(figure)
+
+
+def plot_per_gpu(path: Path, section: dict, context: dict) -> None:
+    """Every GPU of one host (one payload per GPU in one downtime)."""
+    series = {gpu["label"]: {} for gpu in section["gpus"]}
+    for row in section["per_m"]:
+        for label, value in row["us_per_token"].items():
+            if value is not None:
+                series[label][row["m"]] = value
+    plot_series(path, series, f"Every GPU of {context['host']}, run {context['run_id']}\n{context['config']}",
+                {(item["label"], item["m"]) for item in section["outliers"]}, section["threshold"])

@@ -321,6 +321,8 @@ def headline(summary: dict) -> dict:
         "summary_md": summary["files"]["summary_md"],
         "tp_ranks": (summary.get("tp") or {}).get("ranks"),
         "tp_layer_us_per_m": {str(row["m"]): round(row["layer_us"], 1) for row in (summary.get("tp") or {}).get("per_m") or []},
+        "gpus": len((summary.get("gpus") or {}).get("gpus") or []) or None,
+        "gpu_outliers": (summary.get("gpus") or {}).get("outlier_labels") or [],
         "tp_allreduce_share_per_m": {
             str(row["m"]): round(row["allreduce_share"], 3) for row in (summary.get("tp") or {}).get("per_m") or []
         },

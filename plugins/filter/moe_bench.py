@@ -21,7 +21,9 @@ BUDGET_KEYS = (
 )
 MARGIN_KEYS = ("async_margin_s", "deadman_margin_s", "lock_ttl_margin_s", "stop_margin_s", "settle_s")
 # Optional keys and their defaults.
-OPTIONAL_KEYS = {"stop_margin_s": 0, "settle_s": 0, "vram_waits": 1}
+# gpu_runs: payload runs one after the other on the host (one per GPU when they run in turn, 1 when
+# every GPU's payload runs at once): the benchmark budget is per payload run.
+OPTIONAL_KEYS = {"stop_margin_s": 0, "settle_s": 0, "vram_waits": 1, "gpu_runs": 1}
 # The variable an operator sets for each key: every refusal names it as the operator writes it.
 VARIABLE_OF = {
     "bench_budget_s": "moe_bench_bench_budget_s",
@@ -37,6 +39,7 @@ VARIABLE_OF = {
     "lock_ttl_margin_s": "moe_bench_lock_ttl_margin_s",
     "settle_s": "moe_bench_health_settle_s",
     "vram_waits": "vram_waits",
+    "gpu_runs": "moe_bench_gpus (with moe_bench_gpu_parallel false)",
     "unit_stop_timeout_s": "the unit's TimeoutStopSec",
 }
 TIMESPAN_UNITS = {"us": 1e-6, "usec": 1e-6, "ms": 1e-3, "msec": 1e-3, "s": 1, "sec": 1, "min": 60,
@@ -141,7 +144,9 @@ def moe_bench_plan(settings, now_epoch=None):
     except AnsibleFilterError as error:
         raise AnsibleFilterError("the unit's TimeoutStopSec cannot be read: %s" % error) from None
 
-    async_limit_s = int(math.ceil(value["bench_budget_s"] + value["async_margin_s"]))
+    # One payload per chosen GPU: all at once take one budget, one after the other one budget each.
+    bench_total_s = value["bench_budget_s"] * value["gpu_runs"]
+    async_limit_s = int(math.ceil(bench_total_s + value["async_margin_s"]))
     inconsistencies = [
         ("poll_interval_s", value["poll_interval_s"], "bench_budget_s", value["bench_budget_s"]),
         ("health_poll_s", value["health_poll_s"], "load_budget_s", value["load_budget_s"]),
@@ -176,6 +181,7 @@ def moe_bench_plan(settings, now_epoch=None):
         "run_id": moe_bench_run_id(epoch),
         "started_epoch": epoch,
         "started_at": _iso(epoch),
+        "bench_total_s": bench_total_s,
         "async_limit_s": async_limit_s,
         "poll_retries": _retries(async_limit_s, value["poll_interval_s"]),
         "health_retries": _retries(value["load_budget_s"], value["health_poll_s"]),
@@ -223,13 +229,48 @@ def moe_bench_folder(path):
     return normal
 
 
+SERIAL_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+
+def moe_bench_serial(value):
+    """Ansible's serial as an operator gives it (a number, a percentage such as "25%", or a list of
+    them; AWX sends strings, "1,2,50%" included): whole numbers of at least 1 and percentages in
+    (0, 100]. Returns the value typed for the play's serial keyword."""
+    if isinstance(value, str) and "," in value:
+        value = [item.strip() for item in value.split(",")]
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise AnsibleFilterError("moe_bench_serial: the list is empty; give at least one batch size such as 1")
+        return [moe_bench_serial(item) for item in value]
+    if isinstance(value, bool) or value is None:
+        raise AnsibleFilterError("moe_bench_serial must be a number of hosts, a percentage or a list of them, got %r"
+                                 % (value,))
+    text = str(value).strip()
+    match = SERIAL_PATTERN.match(text)
+    if match:
+        percent = float(match.group(1))
+        if not 0 < percent <= 100:
+            raise AnsibleFilterError("moe_bench_serial: %r is not a percentage in (0, 100]" % (value,))
+        return text.replace(" ", "")
+    if not re.match(r"^\d+$", text):
+        raise AnsibleFilterError("moe_bench_serial must be a number of hosts, a percentage or a list of them, got %r"
+                                 % (value,))
+    number = int(text)
+    if number < 1:
+        # Ansible reads serial 0 as "every host at once": never what an operator who typed 0 meant.
+        raise AnsibleFilterError("moe_bench_serial must be at least 1 (Ansible reads 0 as every host at once), got %r"
+                                 % (value,))
+    return number
+
+
 def moe_bench_check(value, what="plan"):
     """The refusal message for a plan's budgets (what='plan'), an M list (what='m_list') or a
     dedicated host folder (what='folder'), or an empty string when the input is valid: lets a
     task fail with a message of its own."""
-    check = {"plan": moe_bench_plan, "m_list": moe_bench_m_list, "folder": moe_bench_folder}.get(what)
+    check = {"plan": moe_bench_plan, "m_list": moe_bench_m_list, "folder": moe_bench_folder,
+             "serial": moe_bench_serial}.get(what)
     if check is None:
-        raise AnsibleFilterError("moe_bench_check: what must be plan, m_list or folder, got %r" % (what,))
+        raise AnsibleFilterError("moe_bench_check: what must be plan, m_list, folder or serial, got %r" % (what,))
     try:
         check(value)
     except AnsibleFilterError as error:
@@ -305,4 +346,5 @@ class FilterModule(object):
             "moe_bench_folder": moe_bench_folder,
             "moe_bench_timespan_s": moe_bench_timespan_s,
             "moe_bench_inputs": moe_bench_inputs,
+            "moe_bench_serial": moe_bench_serial,
         }
