@@ -1,0 +1,120 @@
+"""A fleet in one command: four simulated hosts side by side, two real playbook runs.
+
+Run 1, the fleet preflight refuses one bad host (a GPU index it lacks): nothing is stopped on any
+host, one table says which host and why.
+Run 2, the rollout one host at a time:
+  A (two GPUs, moe_bench_gpus [0, 1])  -> ok: one payload per GPU, per-GPU results and report
+  B (pool east, minimum 1 healthy)     -> skipped by the capacity guard: its pool peer D is unhealthy
+  C (its unit fails to start again)    -> DOWN, reported; the rollout stops
+  D (pool east, health 503)            -> not started: never touched
+and the fleet report (fleet.md, fleet.json, plot) lists all four.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import yaml
+
+from conftest import (ANSIBLE_PLAYBOOK, REPO, STATE_DIR, PlaybookRun, _playbook_env, merged_vars)
+
+
+def _fleet_run(hosts, host_vars, tmp_path, results_dir, extra=None, timeout=900):
+    inventory = {"moe_bench_hosts": {"hosts": {
+        host.name: dict(host.connection, **host_vars.get(key, {})) for key, host in hosts.items()}}}
+    inventory_path = tmp_path / "fleet-inventory.yml"
+    inventory_path.write_text(yaml.safe_dump(inventory, sort_keys=False))
+    extra_vars = merged_vars(results_dir, extra)
+    extra_vars.pop("moe_bench_gpus")  # per host, in the inventory
+    vars_path = tmp_path / "fleet-extra-vars.json"
+    vars_path.write_text(json.dumps(extra_vars))
+    argv = [str(ANSIBLE_PLAYBOOK), "-i", str(inventory_path), str(REPO / "playbooks" / "moe_bench.yml"),
+            "-e", "@%s" % vars_path]
+    started = time.monotonic()
+    proc = subprocess.run(argv, cwd=REPO, env=_playbook_env(tmp_path), capture_output=True, text=True, timeout=timeout)
+    return PlaybookRun(argv, proc.returncode, proc.stdout, proc.stderr, time.monotonic() - started, extra_vars)
+
+
+def _untouched(host, since):
+    assert host.stop_count(since) == 0, "%s was stopped" % host.name
+    assert host.unit_active() == "active"
+    assert not host.timer_loaded(), "dead-man timer on %s" % host.name
+    assert host.exec("test -e %s/lock" % STATE_DIR, check=False).returncode != 0, "lock left on %s" % host.name
+    assert host.run_ids() == [], "run folder on %s" % host.name
+
+
+def test_fleet_preflight_refusal_then_rollout_with_guard_stop_and_report(simhost_factory, tmp_path, results_dir):
+    hosts = {"a": simhost_factory("fleet-a", gpus=2), "b": simhost_factory("fleet-b", gpus=1),
+             "c": simhost_factory("fleet-c", gpus=1), "d": simhost_factory("fleet-d", gpus=1)}
+    host_vars = {"a": {"moe_bench_gpus": [0, 1]},
+                 "b": {"moe_bench_gpus": [0], "moe_bench_pool": "east", "moe_bench_pool_min_healthy": 1},
+                 "c": {"moe_bench_gpus": [0]},
+                 "d": {"moe_bench_gpus": [0, 1], "moe_bench_pool": "east", "moe_bench_pool_min_healthy": 1}}
+
+    # --- run 1: D asks for a GPU it lacks: refused in the preflight, nothing stopped anywhere
+    since = min(host.epoch() for host in hosts.values())
+    refused = _fleet_run(hosts, host_vars, tmp_path, results_dir)
+    assert refused.rc != 0, refused.describe()
+    assert "The fleet preflight refused the rollout" in refused.stdout, refused.describe()
+    assert "GPU(s) 1 do not exist on %s" % hosts["d"].name in refused.stdout, refused.describe()
+    assert "Nothing was stopped on any host" in refused.stdout
+    table = [line for line in refused.stdout.splitlines() if any(h.name in line for h in hosts.values())
+             and (" ok " in line or " refused " in line)]
+    assert any(hosts["a"].name in line and " ok " in line for line in table), refused.describe()
+    assert any(hosts["d"].name in line and " refused " in line for line in table), refused.describe()
+    for host in hosts.values():
+        _untouched(host, since)
+    assert "Record the service's state and stop it" not in refused.stdout
+
+    # --- run 2: the rollout
+    host_vars["d"]["moe_bench_gpus"] = [0]
+    hosts["d"].set_switches(restart=True, FAKE_NEVER_READY="1")      # D serves no requests: B's pool is short
+    hosts["c"].set_switches(restart=False, FAKE_FAIL_ON_START="1")   # C's unit will not start again
+    since = min(host.epoch() for host in hosts.values())
+    run = _fleet_run(hosts, host_vars, tmp_path, results_dir, {"moe_bench_load_budget_s": 20})
+    assert run.rc != 0, run.describe()
+    out = run.stdout
+
+    # A: both GPUs measured in one downtime, each its own results file, the service back
+    a = hosts["a"]
+    assert a.stop_count(since) == 1 and a.unit_active() == "active" and a.health_status() == 200
+    assert not a.timer_loaded()
+    (a_run,) = a.run_ids()
+    fetched = results_dir / a.name / a_run
+    for name in ("results.json", "gpu1/results.json", "bench.log", "gpu1/bench.log", "per_gpu.png"):
+        assert (fetched / name).is_file(), (name, sorted(str(p) for p in fetched.rglob("*")))
+    for name in ("results.json", "gpu1/results.json"):
+        document = json.loads((fetched / name).read_text())
+        assert document["status"] == "complete" and document["correctness"], name
+    summary = json.loads((fetched / "summary.json").read_text())
+    assert [gpu["label"] for gpu in summary["gpus"]["gpus"]] == ["GPU 0", "GPU 1"]
+    assert "## Every GPU of the host" in (fetched / "summary.md").read_text()
+    job = json.loads(a.read_file("%s/runs/%s/job.json" % (STATE_DIR, a_run)))
+    assert job["gpus"] in ([0, 1], "[0, 1]")
+
+    # B: skipped by the capacity guard, never stopped
+    assert "%s is skipped: capacity guard: pool east needs 1 healthy host(s)" % hosts["b"].name in out, run.describe()
+    _untouched(hosts["b"], since)
+
+    # C: stopped, did not come back: reported DOWN, the rollout stops after it
+    c = hosts["c"]
+    assert c.stop_count(since) == 1
+    assert "did NOT come back" in out, run.describe()
+    assert c.unit_active() != "active"
+    assert "The rollout stopped before this batch" in out
+
+    # D: never touched
+    _untouched(hosts["d"], since)
+
+    # The fleet report: one row per host with its outcome, A's two GPUs in the plot's series
+    (fleet_dir,) = (results_dir / "fleet").iterdir()
+    fleet = json.loads((fleet_dir / "fleet.json").read_text())
+    outcomes = {row["host"]: row["outcome"] for row in fleet["hosts"]}
+    assert outcomes == {a.name: "ok", hosts["b"].name: "skipped", c.name: "down", hosts["d"].name: "not started"}
+    assert fleet["configurations"][0]["series"] == ["%s GPU 0" % a.name, "%s GPU 1" % a.name]
+    assert (fleet_dir / "fleet_per_token.png").stat().st_size > 10000
+    assert "| %s | not started |" % hosts["d"].name in (fleet_dir / "fleet.md").read_text()
+    assert "fleet %s:" % fleet["fleet_id"] in out  # the recap, printed
+    print("fleet runs: refusal %.1f s, rollout %.1f s" % (refused.wall_s, run.wall_s))
