@@ -7,14 +7,18 @@ Run 2, the rollout one host at a time:
   B (pool east, minimum 1 healthy)     -> skipped by the capacity guard: its pool peer D is unhealthy
   C (its unit fails to start again)    -> DOWN, reported; the rollout stops
   D (pool east, health 503)            -> not started: never touched
-and the fleet report (fleet.md, fleet.json, plot) lists all four.
+and the fleet report (fleet.md, fleet.json, plot) lists all four; a webhook on this machine's
+loopback is told each host's final state, the health check's header value nowhere in it.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import yaml
 
@@ -37,6 +41,27 @@ def _fleet_run(hosts, host_vars, tmp_path, results_dir, extra=None, timeout=900)
     return PlaybookRun(argv, proc.returncode, proc.stdout, proc.stderr, time.monotonic() - started, extra_vars)
 
 
+SECRET_HEADER_VALUE = "hdr-secret-7f3a9c"
+
+
+def _webhook():
+    """A webhook on 127.0.0.1 that keeps every JSON body posted to it."""
+    received = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, received
+
+
 def _untouched(host, since):
     assert host.stop_count(since) == 0, "%s was stopped" % host.name
     assert host.unit_active() == "active"
@@ -46,8 +71,12 @@ def _untouched(host, since):
 
 
 def test_fleet_preflight_refusal_then_rollout_with_guard_stop_and_report(simhost_factory, tmp_path, results_dir):
-    hosts = {"a": simhost_factory("fleet-a", gpus=2), "b": simhost_factory("fleet-b", gpus=1),
-             "c": simhost_factory("fleet-c", gpus=1), "d": simhost_factory("fleet-d", gpus=1)}
+    # Started side by side (each start waits for systemd, SSH and the model's health).
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {key: pool.submit(simhost_factory, "fleet-" + key, gpus=2 if key == "a" else 1) for key in "abcd"}
+        hosts = {key: future.result() for key, future in futures.items()}
+    start_s = time.monotonic() - started
     host_vars = {"a": {"moe_bench_gpus": [0, 1]},
                  "b": {"moe_bench_gpus": [0], "moe_bench_pool": "east", "moe_bench_pool_min_healthy": 1},
                  "c": {"moe_bench_gpus": [0]},
@@ -73,7 +102,14 @@ def test_fleet_preflight_refusal_then_rollout_with_guard_stop_and_report(simhost
     hosts["d"].set_switches(restart=True, FAKE_NEVER_READY="1")      # D serves no requests: B's pool is short
     hosts["c"].set_switches(restart=False, FAKE_FAIL_ON_START="1")   # C's unit will not start again
     since = min(host.epoch() for host in hosts.values())
-    run = _fleet_run(hosts, host_vars, tmp_path, results_dir, {"moe_bench_load_budget_s": 20})
+    server, events = _webhook()
+    try:
+        run = _fleet_run(hosts, host_vars, tmp_path, results_dir, {
+            "moe_bench_load_budget_s": 20,
+            "moe_bench_notify": "http://127.0.0.1:%d/hook?token=url-secret" % server.server_address[1],
+            "moe_bench_health_headers": {"X-Api-Key": SECRET_HEADER_VALUE}})
+    finally:
+        server.shutdown()
     assert run.rc != 0, run.describe()
     out = run.stdout
 
@@ -113,8 +149,17 @@ def test_fleet_preflight_refusal_then_rollout_with_guard_stop_and_report(simhost
     fleet = json.loads((fleet_dir / "fleet.json").read_text())
     outcomes = {row["host"]: row["outcome"] for row in fleet["hosts"]}
     assert outcomes == {a.name: "ok", hosts["b"].name: "skipped", c.name: "down", hosts["d"].name: "not started"}
-    assert fleet["configurations"][0]["series"] == ["%s GPU 0" % a.name, "%s GPU 1" % a.name]
+    # A's two GPUs and C's one (C measured before its unit failed to start: nothing measured is lost)
+    assert fleet["configurations"][0]["series"] == sorted(["%s GPU 0" % a.name, "%s GPU 1" % a.name, "%s GPU 0" % c.name])
     assert (fleet_dir / "fleet_per_token.png").stat().st_size > 10000
     assert "| %s | not started |" % hosts["d"].name in (fleet_dir / "fleet.md").read_text()
     assert "fleet %s:" % fleet["fleet_id"] in out  # the recap, printed
-    print("fleet runs: refusal %.1f s, rollout %.1f s" % (refused.wall_s, run.wall_s))
+
+    # The webhook: one event per host with its final state and the next step
+    told = {event["host"]: event for event in events}
+    assert {host: event["outcome"] for host, event in told.items()} == outcomes, events
+    assert "service_recover.yml -l %s" % c.name in told[c.name]["next_step"]
+    assert told[c.name]["unit"] == "fake-inference.service" and "did NOT come back" in told[c.name]["why"]
+    assert SECRET_HEADER_VALUE not in json.dumps(events) and SECRET_HEADER_VALUE not in run.output
+    assert "url-secret" not in run.output
+    print("fleet test: hosts up %.1f s, refusal run %.1f s, rollout run %.1f s" % (start_s, refused.wall_s, run.wall_s))
