@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -38,6 +39,7 @@ def main(argv=None) -> int:
     parser.add_argument("--stop-on-fallback", action="store_true")
     parser.add_argument("--tiles", default="", help="JSON for gluon_moe.GLUON_TILES (tuning)")
     args = parser.parse_args(argv)
+    os.environ["MOE_BENCH_GLUON"] = "force"  # the Gluon path wherever it can run
     device = torch.device("cuda:0")
     m_list = sorted({int(v) for v in args.m_list.split(",")})
     shape = presets.PRESETS[args.preset].shape(args.tp)

@@ -66,10 +66,17 @@ GLUON_TILES = {
     "g1": dict(bm=64, bnc=64, stages=4),
     "g2": dict(bm=64, bnc=128, stages=4),
 }
-# The smallest slots per expert at which this path is tried (below it the plain-Triton rows
+# The smallest slots per expert at which this path can run (below it the plain-Triton rows
 # with block_m 16 or 32 pad less): where the shipped rule takes block_m 64 (see
 # triton_moe.SLOTS_PER_EXPERT_ROWS).
 MIN_SLOTS_PER_EXPERT = 24.0
+# Whether the backend picks it by itself where it can run. Measured on one H200 (PERFORMANCE.md,
+# round 16): correct, but 1.7-2.8x slower than the plain-Triton rows at every M tried (kimi-k2.6
+# M=512-8192), so not picked; MOE_BENCH_GLUON=force runs it wherever it can run (measurement and
+# tuning), MOE_BENCH_GLUON=0 never.
+SELECTED_BY_DEFAULT = False
+NOT_SELECTED = ("not selected: slower than the plain-Triton kernels at every M measured on the H200 "
+                "(PERFORMANCE.md, round 16); MOE_BENCH_GLUON=force runs it")
 
 
 def api_error() -> str | None:
@@ -118,9 +125,15 @@ def shape_unavailable_reason(shape: quant.MoEShape) -> str | None:
     return None
 
 
-def applies_at(shape: quant.MoEShape, m: int) -> bool:
-    """Whether M is in the range this path is tried for (slots per expert)."""
+def can_run_at(shape: quant.MoEShape, m: int) -> bool:
+    """Whether M is in the range this path can run for (slots per expert)."""
     return m * shape.topk / shape.experts >= MIN_SLOTS_PER_EXPERT
+
+
+def selected(env: dict | None = None) -> bool:
+    """Whether the path is picked where it can run: SELECTED_BY_DEFAULT, or MOE_BENCH_GLUON=force."""
+    env = os.environ if env is None else env
+    return SELECTED_BY_DEFAULT or env.get("MOE_BENCH_GLUON", "") == "force"
 
 
 # ---------------------------------------------------------------------------
@@ -359,6 +372,8 @@ def rows_descriptor(rows: torch.Tensor, bm: int):
 
 class GluonHopperPath:
     """The Gluon path's launches for one TritonW4A16MoE (its workspace and routing stages)."""
+
+    dtypes = (torch.bfloat16,)
 
     def __init__(self, moe):
         self.moe = moe

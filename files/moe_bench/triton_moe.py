@@ -1151,12 +1151,17 @@ class TritonW4A16MoE:
                 reason = f"setup failed: {type(exc).__name__}: {str(exc)[:200]}"
         self.gluon_reason = reason
 
-    def _gluon_applies(self, m: int) -> bool:
+    def _gluon_can_run(self, m: int) -> bool:
         from . import gluon_moe
 
         # The workspace is sized by the table's largest block (block_m 64 from about 20-30 slots
         # per expert); the Gluon path's blocks are 64 rows too.
-        return gluon_moe.applies_at(self.shape, m) and _padded_rows(self.shape, m, 64) <= self._max_padded
+        return gluon_moe.can_run_at(self.shape, m) and _padded_rows(self.shape, m, 64) <= self._max_padded
+
+    def _gluon_applies(self, m: int) -> bool:
+        from . import gluon_moe
+
+        return gluon_moe.selected() and self._gluon_can_run(m)
 
     def _gluon_runs(self, x, topk_ids, topk_weights):
         """The Gluon path's output for this call, or None when the plain-Triton path runs.
@@ -1166,16 +1171,18 @@ class TritonW4A16MoE:
         error or a failed check turns the path off for this backend, with the reason kept for
         the results (a fallback never fails the run). The first call must come before any
         graph capture (the harness warms up and checks every M first)."""
-        if self._gluon is None or not self._gluon_applies(x.shape[0]) or x.dtype != torch.bfloat16:
+        if self._gluon is None or not self._gluon_applies(x.shape[0]) or x.dtype not in self._gluon.dtypes:
             return None
         if self._gluon_checked:
             return self._gluon.forward(x, topk_ids, topk_weights)
-        if torch.cuda.is_current_stream_capturing():
-            return None  # never checked outside a capture: the plain-Triton path
+        on_gpu = self._device.type == "cuda"
+        if on_gpu and torch.cuda.is_current_stream_capturing():
+            return None  # never checked inside a capture: the plain-Triton path
         self._gluon_checked = True
         try:
             out = self._gluon.forward(x, topk_ids, topk_weights).clone()
-            torch.cuda.synchronize(self._device)
+            if on_gpu:
+                torch.cuda.synchronize(self._device)
         except Exception as exc:  # noqa: BLE001
             self.gluon_reason = f"compile or launch failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             self._gluon = None
@@ -1220,10 +1227,12 @@ class TritonW4A16MoE:
                 cfg[which] = dict(cfg[which], mma_overlap=ran)
         # Which kernels run this M, and where their table came from (results say so).
         cfg["path"] = "one-row" if cfg["g1"].get("gemv") else "tensor-core"
-        if cfg["path"] == "tensor-core" and self._gluon_applies(m):
+        if cfg["path"] == "tensor-core" and self._gluon_can_run(m):
             from . import gluon_moe
 
-            if self._gluon is not None:
+            if self._gluon is not None and not gluon_moe.selected():
+                cfg["gluon_fallback"] = gluon_moe.NOT_SELECTED
+            elif self._gluon is not None:
                 # What runs once the first call's check has passed (before it: expected to).
                 cfg["path"] = gluon_moe.PATH_NAME
                 cfg["gluon"] = dict(gluon_moe.GLUON_TILES, checked=self._gluon_checked,
