@@ -20,6 +20,7 @@ import sys
 import time
 
 import torch
+import triton
 
 from moe_bench import cli, gluon_moe, perfmodel, presets, quant
 from moe_bench import triton_moe as tm
@@ -37,6 +38,7 @@ def main(argv=None) -> int:
     parser.add_argument("--all-m", action="store_true")
     parser.add_argument("--out", default="")
     parser.add_argument("--stop-on-fallback", action="store_true")
+    parser.add_argument("--stages", action="store_true", help="also time the Gluon forward's stages")
     parser.add_argument("--tiles", default="", help="JSON for gluon_moe.GLUON_TILES (tuning)")
     args = parser.parse_args(argv)
     os.environ["MOE_BENCH_GLUON"] = "force"  # the Gluon path wherever it can run
@@ -75,6 +77,19 @@ def main(argv=None) -> int:
                 row[f"{name}_us"] = statistics.median(times[name])
                 row[f"{name}_rounds_us"] = times[name]
                 row[f"{name}_pct_floor"] = 100 * floor / row[f"{name}_us"]
+        if ok and args.stages and paths["gluon"]._gluon is not None:
+            # The Gluon forward's stages, timed cumulatively (each run reads what the one before left).
+            gen = torch.Generator(device=device).manual_seed(m)
+            x, ids, wts = cli.make_inputs(shape, m, torch.bfloat16, device, gen)
+            path = paths["gluon"]._gluon
+            cumulative = {}
+            for label, stages in (("route", ("route",)), ("+g1", ("route", "g1")), ("+g2", ("route", "g1", "g2")),
+                                  ("+sum", ("route", "g1", "g2", "sum"))):
+                cumulative[label] = 1e3 * triton.testing.do_bench(lambda: path.forward(x, ids, wts, stages),
+                                                                  warmup=20, rep=200, return_mode="median")
+            row["gluon_stages_cumulative_us"] = cumulative
+            print(f"{m:6d} Gluon stages, cumulative us (do_bench median, one routing): "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in cumulative.items()), flush=True)
         row["gluon_config"] = paths["gluon"].configs_used(m)
         if paths["gluon"].gluon_reason is not None and args.stop_on_fallback:
             print(f"M={m}: the Gluon path fell back: {paths['gluon'].gluon_reason}", flush=True)

@@ -70,6 +70,8 @@ GLUON_TILES = {
 # with block_m 16 or 32 pad less): where the shipped rule takes block_m 64 (see
 # triton_moe.SLOTS_PER_EXPERT_ROWS).
 MIN_SLOTS_PER_EXPERT = 24.0
+# K values per program of the gather (a multiple of 64: whole operand-order blocks).
+GATHER_BK = 512
 # Whether the backend picks it by itself where it can run. Measured on one H200 (PERFORMANCE.md,
 # round 16): correct, but 1.7-2.8x slower than the plain-Triton rows at every M tried (kimi-k2.6
 # M=512-8192), so not picked; MOE_BENCH_GLUON=force runs it wherever it can run (measurement and
@@ -397,26 +399,32 @@ class GluonHopperPath:
                                         inter_desc=rows_descriptor(inter, self.bm))
         return self._buffers[dtype]
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                stages: tuple = ("route", "g1", "g2", "sum")) -> torch.Tensor | None:
+        """The forward; `stages` (a tuning script's) runs only some of its launches, each reading
+        what the ones before it left in the workspace."""
         moe, shape, bm = self.moe, self.moe.shape, self.bm
         if x.dtype != torch.bfloat16:
             raise ValueError("the Gluon path takes bf16 activations")
         m = x.shape[0]
-        slots = m * shape.topk
         if tm._padded_rows(shape, m, bm) > moe._max_padded:
             raise ValueError(f"M={m} needs more workspace than was allocated")
-        moe._m = m
-        moe._group_slots(topk_ids, bm)
         blocks = triton.cdiv(tm._padded_rows(shape, m, bm), bm)
         buf = self.buffers(x.dtype)
         _, slot_buf = moe._buffers(x.dtype)
-        _gather_kernel[(blocks, shape.hidden // 64)](
-            x, buf["xs"], moe._sorted_slot, moe._counts, moe._starts, moe._ends, self.block_expert, self.block_rows,
-            shape.experts, shape.hidden, x.stride(0), buf["xs"].stride(0),
-            TOPK=shape.topk, BLOCK_M=bm, NUM_BINS=moe._num_bins, BK=64, num_warps=4)
+        if "route" in stages:
+            moe._m = m
+            moe._group_slots(topk_ids, bm)
+            gather_bk = tm._largest_dividing(GATHER_BK, shape.hidden, 64)
+            _gather_kernel[(blocks, shape.hidden // gather_bk)](
+                x, buf["xs"], moe._sorted_slot, moe._counts, moe._starts, moe._ends, self.block_expert,
+                self.block_rows, shape.experts, shape.hidden, x.stride(0), buf["xs"].stride(0),
+                TOPK=shape.topk, BLOCK_M=bm, NUM_BINS=moe._num_bins, BK=gather_bk, num_warps=8)
         for which, desc_x, w, desc_w, out, n, k in (
                 ("g1", buf["xs_desc"], moe.weights.w13, self.w13_desc, buf["inter"], shape.inter, shape.hidden),
                 ("g2", buf["inter_desc"], moe.weights.w2, self.w2_desc, slot_buf, shape.hidden, shape.inter)):
+            if which not in stages:
+                continue
             tile = GLUON_TILES[which]
             bnh = 2 * tile["bnc"]
             _ws_gemm_kernel[(blocks * (n // bnh),)](
@@ -426,4 +434,4 @@ class GluonHopperPath:
                 CONSUMER_REGS=tile.get("consumer_regs", 232), PRODUCER_REGS=tile.get("producer_regs", 40),
                 num_warps=4)
         moe._g2_split = 1
-        return moe.topk_sum(x)
+        return moe.topk_sum(x) if "sum" in stages else None

@@ -1155,8 +1155,9 @@ class TritonW4A16MoE:
         from . import gluon_moe
 
         # The workspace is sized by the table's largest block (block_m 64 from about 20-30 slots
-        # per expert); the Gluon path's blocks are 64 rows too.
-        return gluon_moe.can_run_at(self.shape, m) and _padded_rows(self.shape, m, 64) <= self._max_padded
+        # per expert): an M whose Gluon blocks would need more runs the plain-Triton rows.
+        block = self._gluon.bm if self._gluon is not None else gluon_moe.GLUON_TILES["g1"]["bm"]
+        return gluon_moe.can_run_at(self.shape, m) and _padded_rows(self.shape, m, block) <= self._max_padded
 
     def _gluon_applies(self, m: int) -> bool:
         from . import gluon_moe

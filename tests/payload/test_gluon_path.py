@@ -73,9 +73,10 @@ M = 64  # 32 slots per expert: in the Gluon path's range
 
 
 class _StandIn:
-    """What TritonW4A16MoE asks of gluon_moe.GluonHopperPath: dtypes and forward."""
+    """What TritonW4A16MoE asks of gluon_moe.GluonHopperPath: dtypes, bm and forward."""
 
     dtypes = (torch.float32,)
+    bm = 64
 
     def __init__(self, moe, mode):
         self.moe, self.mode, self.calls = moe, mode, 0
