@@ -171,7 +171,11 @@ def _gather_kernel(x_ptr, out_ptr, sorted_slot_ptr, counts_ptr, starts_ptr, ends
     offs_k = pid_k * BK + tl.arange(0, BK)
     vals = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :], mask=row_ok[:, None], other=0.0)
     rows = (pid_b * BLOCK_M + offs_m).to(tl.int64)
-    tl.store(out_ptr + rows[:, None] * stride_om + _operand_pos(offs_k)[None, :], vals)
+    # K = 64 b + 32 c + 16 h + i goes to position 64 b + 32 h + 16 c + i (_operand_pos): the two
+    # middle axes swapped in registers, then one contiguous store (a store through
+    # _operand_pos's offsets ran element by element: 2.7 ms at kimi-k2.6 M=2048, round 16).
+    vals = tl.reshape(tl.permute(tl.reshape(vals, (BLOCK_M, BK // 64, 2, 2, 16)), (0, 1, 3, 2, 4)), (BLOCK_M, BK))
+    tl.store(out_ptr + rows[:, None] * stride_om + offs_k[None, :], vals)
 
 
 # ---------------------------------------------------------------------------

@@ -176,3 +176,44 @@ def test_gluon_kernels_on_the_gpu(m, monkeypatch):
     assert cli.relative_error(out, reference_moe(weights, x, ids, wts)) < 1e-2
     x2, ids2, wts2 = cli.make_inputs(shape, m, torch.bfloat16, torch.device("cuda"), gen)  # fresh routing
     assert cli.relative_error(moe(x2, ids2, wts2), reference_moe(weights, x2, ids2, wts2)) < 1e-2
+
+
+def test_the_gather_writes_each_block_in_operand_order():
+    """_gather_kernel (plain Triton, run by the interpreter here): each block's owner and rows,
+    the rows in sorted order with every 64-value K block in _operand_pos's order, padding zero."""
+    shape = quant.MoEShape(experts=4, hidden=256, inter=128, topk=2, group_size=32)
+    weights = quant.random_weights(shape, "cpu", seed=2)
+    moe = tm.TritonW4A16MoE(weights, 64, gluon=False)
+    gen = torch.Generator().manual_seed(9)
+    x, ids, _ = cli.make_inputs(shape, 40, torch.float32, torch.device("cpu"), gen)
+    ids = ids.to(torch.int32)
+    bm = 64
+    moe._group_slots(ids, bm)
+    blocks = -(-tm._padded_rows(shape, 40, bm) // bm)
+    out = torch.full((blocks * bm, shape.hidden), float("nan"))
+    block_expert = torch.full((blocks,), -7, dtype=torch.int32)
+    block_rows = torch.full((blocks,), -7, dtype=torch.int32)
+    gluon_moe._gather_kernel[(blocks, shape.hidden // 128)](
+        x, out, moe._sorted_slot, moe._counts, moe._starts, moe._ends, block_expert, block_rows, shape.experts,
+        shape.hidden, x.stride(0), out.stride(0), TOPK=shape.topk, BLOCK_M=bm, NUM_BINS=moe._num_bins, BK=128)
+    k = torch.arange(shape.hidden)
+    r, i = k % 64, k % 32
+    pos = k - r + (i // 16) * 32 + (r // 32) * 16 + i % 16
+    assert sorted(pos.tolist()) == list(range(shape.hidden))  # a permutation
+    counts = torch.bincount(ids.flatten().long(), minlength=shape.experts)
+    seen = 0
+    for b in range(blocks):
+        rows = int(block_rows[b])
+        if rows == 0:
+            continue
+        e = int(block_expert[b])
+        start = int(moe._starts[e])
+        assert 0 < rows <= bm and (b * bm - start) // bm * bm + rows <= int(counts[e]) + bm
+        slots = moe._sorted_slot[b * bm: b * bm + rows].long()
+        assert (ids.flatten()[slots] == e).all()
+        expected = torch.empty(rows, shape.hidden)
+        expected[:, pos] = x[slots // shape.topk]
+        assert torch.equal(out[b * bm: b * bm + rows], expected)
+        assert (out[b * bm + rows: (b + 1) * bm] == 0).all()  # padding rows zero, never stale
+        seen += rows
+    assert seen == ids.numel()
