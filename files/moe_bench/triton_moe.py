@@ -48,6 +48,11 @@ of the activations (gathered with the same index pattern): no nibble is ever int
 A nibble u becomes a number without an integer conversion: written under the bf16 exponent of
 128 it reads as 128 + u, and one bf16 fused multiply-add makes it q = u - 8, exactly.
 
+On an sm_90 GPU with Gluon, a third path exists for the tensor-core M range: moe_bench.gluon_moe
+(warp-specialised, copy-engine loads, warp-group MMAs), checked against this module's kernels
+on its first call and falling back to them on any failure (TritonW4A16MoE._gluon_runs); it is
+not selected by default (measured slower, PERFORMANCE.md round 16; MOE_BENCH_GLUON=force runs it).
+
 Constraints (ValueError otherwise): group size a power of two, at least 32 (so every 32-value
 chunk lies inside one group); hidden and inter multiples of the group size. Tiles come from
 the shape's table per M (table_for), fitted to the device (fit_to_device) and shrunk to divide
