@@ -53,7 +53,8 @@ GLUON_IMPORT_ERROR: str | None = None
 try:  # Gluon is experimental: absent from older Triton, its API moves between versions.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except Exception as exc:  # noqa: BLE001 - any failure means "no Gluon path", with the reason kept
     GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
@@ -185,6 +186,8 @@ def _gather_kernel(x_ptr, out_ptr, sorted_slot_ptr, counts_ptr, starts_ptr, ends
 if GLUON_IMPORT_ERROR is None:
     # The copy-engine load is tma.async_copy_global_to_shared in Triton 3.6, tma.async_load later.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # The barrier of the running warps: gl.thread_barrier in Triton 3.6, gl.barrier later.
+    _warps_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     _PAIR_PTX = gl.constexpr(tm._PAIR_NIBBLES_PTX.value)
     _SCALE_PTX = gl.constexpr("{ .reg .b32 mz;\nmov.b32 mz, 0x80008000;\nfma.rn.bf16x2 $0, $1, $2, mz; }")
 
@@ -295,24 +298,112 @@ if GLUON_IMPORT_ERROR is None:
                      o.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
 
     @gluon.jit
-    def _consumer_0(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr, stride_om,
-                    topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM: gl.constexpr, BNC: gl.constexpr,
-                    GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr):
-        _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr, stride_om,
-                  topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, 0, BM, BNC, GROUP, GATE_UP, STAGES)
+    def _convert_to_smem(src, dst_lo, dst_hi, s_ptr, s_base, stride_sg, k0, row_first, BNC: gl.constexpr,
+                         GROUP: gl.constexpr):
+        """BNC rows of a stage's packed bytes (src: [>= row_first + BNC, 32] uint8) -> their low and
+        high nibbles' weights, scaled, as bf16 [BNC, 32] into dst_lo / dst_hi (shared memory).
+        Each thread takes one 16-byte chunk (one scale group)."""
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [16, 2, 1], [4, 1, 1], [2, 1, 0])
+        L2: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
+        p = src.slice(row_first, BNC, 0).load(L2)
+        offs_n = row_first + gl.arange(0, BNC, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        offs_c = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        sc = gl.load(s_ptr + s_base + ((k0 + 32 * offs_c) // GROUP)[None, :] * stride_sg + offs_n[:, None])
+        sc = gl.broadcast(gl.expand_dims(sc, 2), gl.full([BNC, 2, 16], 0, gl.bfloat16, L3))[0]
+        sc = gl.convert_layout(sc.reshape([BNC, 32]), L2)
+        lo, hi = _convert(p, sc)
+        dst_lo.store(lo)
+        dst_hi.store(hi)
 
     @gluon.jit
-    def _consumer_1(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr, stride_om,
-                    topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM: gl.constexpr, BNC: gl.constexpr,
-                    GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr):
-        _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr, stride_om,
-                  topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, 1, BM, BNC, GROUP, GATE_UP, STAGES)
+    def _consumer_ss(x_bufs, w_bufs, wc_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
+                     stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID: gl.constexpr,
+                     BM: gl.constexpr, BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr,
+                     STAGES: gl.constexpr):
+        """The consumer with both MMA operands in shared memory: the weights converted once into
+        wc_bufs ([consumer x 2 buffers x (lo, hi), NR, 32] bf16, NR = BNC gate (+ BNC up) rows), the
+        block's rows as the MMA's M side and the weight columns as its N (m64nNR)."""
+        NR: gl.constexpr = 2 * BNC if GATE_UP else BNC
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, NR, 16])
+        acc = gl.zeros([BM, NR], gl.float32, mma_layout)
+        for i in range(num_k):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            b = i % 2
+            dst = wc_bufs.index(4 * CID + 2 * b)
+            dst_hi = wc_bufs.index(4 * CID + 2 * b + 1)
+            _convert_to_smem(w_bufs.index(2 * s).reshape([2 * BNC, 32]), dst.slice(0, BNC, 0),
+                             dst_hi.slice(0, BNC, 0), s_ptr, s_base_g, stride_sg, i * 64, CID * BNC, BNC, GROUP)
+            if GATE_UP:
+                _convert_to_smem(w_bufs.index(2 * s + 1).reshape([2 * BNC, 32]), dst.slice(BNC, BNC, 0),
+                                 dst_hi.slice(BNC, BNC, 0), s_ptr, s_base_u, stride_sg, i * 64, CID * BNC, BNC,
+                                 GROUP)
+            fence_async_shared()
+            _warps_barrier()
+            acc = warpgroup_mma(x_bufs.index(2 * s), dst.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(x_bufs.index(2 * s + 1), dst_hi.permute((1, 0)), acc, is_async=True)
+            # One group in flight: the previous step's MMAs are done, so its stage and its
+            # converted buffer (the one the next step writes) are free.
+            acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((num_k - 1) % STAGES), count=1)
+
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
+        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+        row_ok = offs_m < rows_used
+        offs_c = col0 + CID * BNC + gl.arange(0, BNC, layout=gl.SliceLayout(0, out_layout))
+        if GATE_UP:
+            gate, up = acc.reshape([BM, 2, BNC]).permute((0, 2, 1)).split()
+            h = gate * (1.0 / (1.0 + gl.exp(-gate))) * up
+            h = gl.convert_layout(h.to(out_ptr.dtype.element_ty), out_layout)
+            rows = (row0 + offs_m).to(gl.int64)
+            r = offs_c % 64
+            q = r % 32
+            pos = offs_c - r + (q // 16) * 32 + (r // 32) * 16 + q % 16
+            gl.store(out_ptr + rows[:, None] * stride_om + pos[None, :], h, mask=row_ok[:, None])
+        else:
+            slot = gl.load(sorted_slot_ptr + row0 + offs_m, mask=row_ok, other=0)
+            weight = gl.load(topk_w_ptr + slot, mask=row_ok, other=0.0)
+            o = gl.convert_layout(acc, out_layout) * weight[:, None]
+            gl.store(out_ptr + slot.to(gl.int64)[:, None] * stride_om + offs_c[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    @gluon.jit
+    def _consumer_0(x_bufs, w_bufs, wc_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
+                    stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM: gl.constexpr,
+                    BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
+                    SS: gl.constexpr):
+        if SS:
+            _consumer_ss(x_bufs, w_bufs, wc_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg,
+                         num_k, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, 0, BM,
+                         BNC, GROUP, GATE_UP, STAGES)
+        else:
+            _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
+                      stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, 0, BM, BNC, GROUP,
+                      GATE_UP, STAGES)
+
+    @gluon.jit
+    def _consumer_1(x_bufs, w_bufs, wc_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
+                    stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM: gl.constexpr,
+                    BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
+                    SS: gl.constexpr):
+        if SS:
+            _consumer_ss(x_bufs, w_bufs, wc_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg,
+                         num_k, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, 1, BM,
+                         BNC, GROUP, GATE_UP, STAGES)
+        else:
+            _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
+                      stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, 1, BM, BNC, GROUP,
+                      GATE_UP, STAGES)
 
     @gluon.jit
     def _ws_gemm_kernel(x_desc, w_desc, s_ptr, out_ptr, topk_w_ptr, sorted_slot_ptr, block_expert_ptr, block_rows_ptr,
                         K, N, stride_se, stride_sg, stride_om, w_row_groups,
                         BM: gl.constexpr, BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr,
-                        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                        SS: gl.constexpr = False):
         """One block of BM sorted rows x 2 * BNC output columns (GEMM1: gate and up of each);
         see the module docstring."""
         BNH: gl.constexpr = 2 * BNC
@@ -325,6 +416,11 @@ if GLUON_IMPORT_ERROR is None:
             expert = gl.load(block_expert_ptr + pid_b).to(gl.int64)
             x_bufs = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
             w_bufs = gl.allocate_shared_memory(w_desc.dtype, [2 * STAGES] + w_desc.block_type.shape, w_desc.layout)
+            NR: gl.constexpr = 2 * BNC if GATE_UP else BNC
+            WC_ROWS: gl.constexpr = NR if SS else 8
+            wc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WC_ROWS, 32], gl.bfloat16)
+            # Per consumer: 2 buffers x (low, high) of converted weights (SS only; a token size otherwise).
+            wc_bufs = gl.allocate_shared_memory(gl.bfloat16, [8, WC_ROWS, 32], wc_layout)
             ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(STAGES):
@@ -339,12 +435,12 @@ if GLUON_IMPORT_ERROR is None:
             s_base_u = s_base_g + N
             num_k = K // 64
             gl.warp_specialize([
-                (_consumer_0, (x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
+                (_consumer_0, (x_bufs, w_bufs, wc_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
                                 stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM, BNC, GROUP,
-                                GATE_UP, STAGES)),
-                (_consumer_1, (x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
+                                GATE_UP, STAGES, SS)),
+                (_consumer_1, (x_bufs, w_bufs, wc_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
                                 stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM, BNC, GROUP,
-                                GATE_UP, STAGES)),
+                                GATE_UP, STAGES, SS)),
                 (_producer, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, GATE_UP,
                              STAGES)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -436,6 +532,6 @@ class GluonHopperPath:
                 k, n, w.scales.stride(0), w.scales.stride(1), out.stride(0), w.packed.shape[1],
                 BM=bm, BNC=tile["bnc"], GROUP=shape.group_size, GATE_UP=which == "g1", STAGES=tile["stages"],
                 CONSUMER_REGS=tile.get("consumer_regs", 232), PRODUCER_REGS=tile.get("producer_regs", 40),
-                num_warps=4)
+                SS=bool(tile.get("ss", False)), num_warps=4)
         moe._g2_split = 1
         return moe.topk_sum(x) if "sum" in stages else None
