@@ -183,7 +183,11 @@ def _gather_kernel(x_ptr, out_ptr, sorted_slot_ptr, counts_ptr, starts_ptr, ends
 # The warp-specialised GEMM (Gluon)
 # ---------------------------------------------------------------------------
 
-if GLUON_IMPORT_ERROR is None:
+def _define_kernels():
+    """The Gluon kernels, defined only where Gluon imports (a version whose names differ
+    leaves GLUON_IMPORT_ERROR saying so instead of failing the payload's import)."""
+    global _tma_load, _warps_barrier, _PAIR_PTX, _SCALE_PTX, _convert, _producer, _consumer, _convert_to_smem
+    global _consumer_ss, _consumer_0, _consumer_1, _ws_gemm_kernel
     # The copy-engine load is tma.async_copy_global_to_shared in Triton 3.6, tma.async_load later.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     # The barrier of the running warps: gl.thread_barrier in Triton 3.6, gl.barrier later.
@@ -444,6 +448,13 @@ if GLUON_IMPORT_ERROR is None:
                 (_producer, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, GATE_UP,
                              STAGES)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+if GLUON_IMPORT_ERROR is None:
+    try:
+        _define_kernels()
+    except Exception as exc:  # noqa: BLE001
+        GLUON_IMPORT_ERROR = f"Gluon kernels not definable with this Triton ({type(exc).__name__}: {exc})"
 
 
 # ---------------------------------------------------------------------------

@@ -1138,11 +1138,14 @@ class TritonW4A16MoE:
         the device, the installed Triton and the shape allow it; otherwise self.gluon_reason
         says why not (the results carry it, see configs_used). Decided here, then once more
         by its correctness check on first use (_gluon_runs)."""
-        from . import gluon_moe
-
         self._gluon = None
         self._gluon_checked = False
         self.gluon_error: float | None = None
+        try:
+            from . import gluon_moe
+        except Exception as exc:  # noqa: BLE001 - the plain-Triton path needs nothing of it
+            self.gluon_reason = f"moe_bench.gluon_moe not importable: {type(exc).__name__}: {exc}"
+            return
         if not wanted:
             self.gluon_reason = "not asked for (gluon=False)"
             return
