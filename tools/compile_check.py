@@ -147,7 +147,8 @@ def compile_gluon(which: str, group: int = 32, *, target=None):
                  "block_expert_ptr": "*i32", "block_rows_ptr": "*i32", "K": "i32", "N": "i32", "stride_se": "i64",
                  "stride_sg": "i32", "stride_om": "i32", "w_row_groups": "i32"}
     constants = dict(BM=tile["bm"], BNC=tile["bnc"], GROUP=group, GATE_UP=which == "g1", STAGES=tile["stages"],
-                     CONSUMER_REGS=tile.get("consumer_regs", 232), PRODUCER_REGS=tile.get("producer_regs", 40))
+                     CONSUMER_REGS=tile.get("consumer_regs", 232), PRODUCER_REGS=tile.get("producer_regs", 40),
+                     SS=bool(tile.get("ss", False)))
     for name in constants:
         signature[name] = "constexpr"
     src = GluonASTSource(gluon_moe._ws_gemm_kernel, signature, constants, {})
