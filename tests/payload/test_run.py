@@ -61,7 +61,7 @@ def test_default_m_list_on_the_cpu_without_triton(run_payload, without_triton, t
     assert [name for name in phases if name.endswith("_s") and name not in ("compile_s", "first_result_s", "process_s")] \
         == ["import_s", "device_s", "weights_s", "check_s", "timing_s"]
     assert all(phases[name] >= 0 for name in phases)
-    assert phases["import_s"] > 0.05, "importing torch takes time: the import phase must count it"
+    assert phases["import_s"] > 0.2, "importing torch takes time: the import phase must count it (from the process start)"
     parts = sum(phases[name] for name in ("import_s", "device_s", "weights_s", "check_s", "timing_s"))
     assert parts == pytest.approx(phases["process_s"], abs=0.01)
     assert phases["import_s"] + phases["device_s"] + phases["weights_s"] + phases["check_s"] \
