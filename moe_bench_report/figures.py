@@ -299,8 +299,11 @@ def downtime_parts(given: dict, phases: dict | None) -> dict | None:
         return None
 
     def between(start_key: str, end_key: str) -> float | None:
+        # Only the part inside the downtime counts (the playbook fetches after the service is back).
         start, end = _epoch(given.get(start_key)), _epoch(given.get(end_key))
-        return None if start is None or end is None or end < start else end - start
+        if start is None or end is None or end < start:
+            return None
+        return max(0.0, min(end, ready) - max(start, issued))
 
     phases = phases if isinstance(phases, dict) else {}
     measured = {
@@ -317,7 +320,9 @@ def downtime_parts(given: dict, phases: dict | None) -> dict | None:
              for key, label in DOWNTIME_PARTS]
     benchmark_phases = [{"phase": key[:-2], "label": label, "s": round(_seconds(phases[key]), 2)}
                         for key, label in BENCHMARK_PHASES if _seconds(phases.get(key)) is not None]
+    fetch_started = _epoch(given.get("bench_fetch_started_epoch"))
     return {
+        "fetch_after_downtime": fetch_started is not None and fetch_started >= ready,
         "from": iso_utc(datetime.fromtimestamp(issued, tz=timezone.utc)),
         "to": iso_utc(datetime.fromtimestamp(ready, tz=timezone.utc)),
         "total_s": round(total, 2),
@@ -338,6 +343,8 @@ def downtime_line(parts: dict) -> str:
             pieces.append(f"{part['label']} not measured")
             continue
         text = f"{part['label']} {part['s']:.1f} s"
+        if part["part"] == "fetch" and parts.get("fetch_after_downtime"):
+            text = "fetch 0 s (after the service was back)"
         if part["part"] == "benchmark" and parts["benchmark_phases"]:
             text += " (" + ", ".join(f"{phase['label']} {phase['s']:.1f}" for phase in parts["benchmark_phases"]) + ")"
         pieces.append(text)

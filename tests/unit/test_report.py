@@ -534,3 +534,11 @@ def test_the_report_shows_the_itemised_downtime(tmp_path, real_document):
     # A run without the sub-second facts (older playbooks) says so instead.
     summary, run_dir = _build(tmp_path / "old", "20261129T140100Z-a1b2c3", json.loads(results_fixture().read_text()), TIMELINE)
     assert "**Downtime, itemised:** not available" in (run_dir / "summary.md").read_text()
+
+
+def test_a_fetch_after_the_service_is_back_is_no_part_of_the_downtime():
+    given = dict(ITEMISED, bench_fetch_started_epoch="1796047601.0", bench_fetch_finished_epoch="1796047604.0")
+    parts = figures.downtime_parts(given, PHASES)
+    assert {part["part"]: part["s"] for part in parts["parts"]}["fetch"] == 0.0 and parts["fetch_after_downtime"]
+    assert parts["overhead_s"] == pytest.approx(400.0 - 3.5 - 0.8 - 30.2 - 361.0)
+    assert "fetch 0 s (after the service was back)" in figures.downtime_line(parts)
