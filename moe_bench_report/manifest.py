@@ -231,5 +231,6 @@ def build_manifest(
         "launch": launch,
         "maintenance_window": given.get("maintenance_window") if isinstance(given.get("maintenance_window"), dict) else None,
         "plan": plan,
+        "prewarm": given.get("prewarm") if isinstance(given.get("prewarm"), dict) else None,
         "files_sha256": {name: digest for name, digest in fetched.items() if digest},
     }

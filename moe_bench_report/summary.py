@@ -94,6 +94,20 @@ def downtime_itemised_sentence(timeline: dict) -> str:
     return text
 
 
+def prewarm_sentence(prewarm: dict) -> str:
+    """What the read-ahead of the model's files did beside the benchmark."""
+    if prewarm.get("bytes") is None:
+        return f"no record ({prewarm.get('error') or prewarm.get('stopped') or 'unknown'})"
+    gib = prewarm["bytes"] / 2**30
+    total = prewarm.get("bytes_total")
+    text = f"{gib:.2f} GiB" + (f" of {total / 2**30:.2f} GiB" if total else "")
+    text += f" read into the page cache in {float(prewarm.get('seconds') or 0):.1f} s, {prewarm.get('files_read', 0)}"
+    text += f" of {prewarm.get('files_total', 0)} files; stopped: {prewarm.get('stopped')}"
+    if prewarm.get("error"):
+        text += f" ({prewarm['error']})"
+    return text
+
+
 def job_sentence(timeline: dict) -> str:
     parts = []
     if timeline.get("benchmark_s") is not None:
@@ -133,6 +147,7 @@ def markdown(summary: dict) -> str:
         f"- **Downtime:** {downtime_sentence(timeline)}",
         f"- **Downtime, itemised:** {downtime_itemised_sentence(timeline)}",
         f"- **Benchmark job:** {job_sentence(timeline)}",
+        *([f"- **Model read-ahead:** {prewarm_sentence(manifest['prewarm'])}"] if manifest.get("prewarm") else []),
         f"- **Compared with previous run:** {regression_sentence(regression)}",
         f"- **Project:** commit {manifest['project']['commit']}"
         + (" (working tree modified)" if manifest["project"].get("dirty") else "")
