@@ -185,6 +185,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_text
+from ansible.module_utils.systemd_unit import read_units
 from ansible.module_utils.urls import open_url
 
 UNIT_PROPERTIES = ("ActiveState", "SubState", "Result", "NRestarts", "MainPID", "LoadState")
@@ -211,23 +212,6 @@ class Redactor(object):
         for secret in self.secrets:
             text = text.replace(secret, REDACTED)
         return text
-
-
-def parse_systemctl_show(text):
-    """'Key=value' lines -> dict with NRestarts/MainPID as int (None when absent or empty)."""
-    state = dict((name, None) for name in UNIT_PROPERTIES)
-    for line in text.splitlines():
-        if "=" not in line:
-            continue
-        key, value = line.split("=", 1)
-        if key in state:
-            state[key] = value.strip()
-    for key in ("NRestarts", "MainPID"):
-        try:
-            state[key] = int(state[key]) if state[key] not in (None, "") else None
-        except ValueError:
-            state[key] = None
-    return state
 
 
 def judge_unit(unit, state, baseline_restarts, expect_running):
@@ -321,13 +305,7 @@ def check_completion(params, headers, redact):
 
 
 def read_unit(module, unit, redact):
-    systemctl = module.get_bin_path("systemctl", required=True)
-    argv = [systemctl, "show", unit, "--property=" + ",".join(UNIT_PROPERTIES)]
-    rc, stdout, stderr = module.run_command(argv, environ_update={"LC_ALL": "C"})
-    if rc != 0:
-        module.fail_json(msg=redact("could not read the state of unit %s: systemctl show exited %d: %s" % (
-            unit, rc, (stderr or stdout).strip())), rc=rc)
-    return parse_systemctl_show(stdout)
+    return read_units(module, [unit], UNIT_PROPERTIES, redact=redact)[unit]
 
 
 def check_once(module, params, headers, redact, baseline_restarts):

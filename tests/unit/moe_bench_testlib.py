@@ -184,14 +184,15 @@ if os.path.basename(sys.argv[0]) == "journalctl":
     sys.stdout.write("".join(line + "\n" for line in lines[-count:]))
     sys.exit(0)
 assert args[0] == "show", args
-unit = args[1]
-state = config["units"].get(unit) or config["units"].get(unit + ".service")
-if state is None:
-    state = {"LoadState": "not-found", "ActiveState": "inactive", "SubState": "dead", "Result": "success",
-             "NRestarts": "0", "MainPID": "0"}
 properties = next(arg for arg in args if arg.startswith("--property=")).split("=", 1)[1].split(",")
-for name in properties:
-    print("%s=%s" % (name, state.get(name, "")))
+blocks = []
+for unit in [arg for arg in args[1:] if not arg.startswith("--")]:
+    state = config["units"].get(unit) or config["units"].get(unit + ".service")
+    if state is None:
+        state = {"LoadState": "not-found", "ActiveState": "inactive", "SubState": "dead", "Result": "success",
+                 "NRestarts": "0", "MainPID": "0"}
+    blocks.append("".join("%s=%s\n" % (name, state.get(name, "")) for name in properties))
+sys.stdout.write("\n".join(blocks))
 '''
 
 

@@ -40,6 +40,15 @@ PLAYBOOK = """\
       vars:
         bench_report_plots: false
         bench_report_fail_on_regression: true
+        bench_report_run_dir: "{{ bench_fetch_dir }}"
+        bench_report_project_dir: "{{ project_dir }}"
+        bench_report_timeline:
+          service_stop_stopped_at: "{{ service_stop_stopped_at }}"
+          bench_run_async_started_at: "{{ bench_run_async_started_at }}"
+          bench_run_async_finished_at: "{{ bench_run_async_finished_at }}"
+          service_recover_ready_at: "{{ service_recover_ready_at }}"
+          service_recover_time_to_ready_s: "{{ service_recover_time_to_ready_s }}"
+          moe_bench_plan: "{{ moe_bench_plan }}"
 """
 
 RUN_ID = "20261130T100000Z-c0ffee"
@@ -73,7 +82,7 @@ def test_role_reports_each_host_and_publishes_headline_figures(tmp_path):
             str(Path(sys.executable).parent / "ansible-playbook"),
             "-i", "inventory.ini", "play.yml",
             # A relative results folder, as an inventory may give it: the role resolves it.
-            "-e", f"results_root=results run_id={RUN_ID}",
+            "-e", f"results_root=results run_id={RUN_ID} project_dir={REPO}",
             "-e", "awx_job_id=555 awx_job_launch_type=scheduled awx_schedule_name=nightly",
         ],
         cwd=tmp_path,

@@ -122,7 +122,7 @@ def test_ready_when_active_and_healthy(server, systemd):
     request = server.requests[-1]
     assert request["headers"]["Authorization"] == "Bearer " + TOKEN
     assert request["headers"]["X-Client"] == "moe-bench"
-    assert ["systemctl", "show", UNIT, "--property=ActiveState,SubState,Result,NRestarts,MainPID,LoadState"] \
+    assert ["systemctl", "show", "--property=ActiveState,SubState,Result,NRestarts,MainPID,LoadState", UNIT] \
         in systemd.calls()
     assert TOKEN not in json.dumps(result)
 
@@ -274,7 +274,7 @@ def test_systemctl_error_fails_clearly(systemd):
     systemd.set({}, fail={"rc": 1, "stderr": "System has not been booted with systemd as init system (PID 1).\n"})
     result = check()
     assert result["failed"] is True
-    assert result["msg"] == ("could not read the state of unit %s: systemctl show exited 1: System has not been "
+    assert result["msg"] == ("could not read the state of unit(s) %s: systemctl show exited 1: System has not been "
                              "booted with systemd as init system (PID 1)." % UNIT)
 
 
