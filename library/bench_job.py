@@ -20,6 +20,10 @@ description:
     carrying a non-zero C(rc) as failed.
   - A missing job file is reported as RV(job_missing) and counts as finished, since polling it again
     cannot help.
+  - With O(wait_s) it long-polls - looks at the job's status file a few times a second for up to
+    O(wait_s) seconds and returns as soon as the job has finished, so a C(until) loop with C(delay 0)
+    notices the end within a fraction of a second instead of at its next poll, and still returns
+    the latest progress line every O(wait_s) seconds while the job runs.
 version_added: "1.0.0"
 author:
   - moe-bench-ops maintainers
@@ -42,6 +46,16 @@ options:
     description: Lines of the log returned in RV(log_tail) when the job failed.
     type: int
     default: 30
+  wait_s:
+    description:
+      - Long poll - keep looking for up to this many seconds and return as soon as the job has
+        finished (or its status file is missing). V(0) looks once.
+    type: float
+    default: 0
+  check_interval_s:
+    description: Seconds between two looks at the status file while O(wait_s) runs.
+    type: float
+    default: 0.25
 notes:
   - Supports check mode (it only reads).
 seealso:
@@ -49,16 +63,17 @@ seealso:
 """
 
 EXAMPLES = r"""
-- name: Wait for the benchmark and show which M runs
+- name: Wait for the benchmark and show which M runs (long poll - noticed within a second)
   bench_job:
     jid: "{{ launch.ansible_job_id }}"
     async_dir: /var/lib/moe-bench/async
     log: /var/lib/moe-bench/runs/{{ run_id }}/bench.log
     results: /var/lib/moe-bench/runs/{{ run_id }}/results.json
+    wait_s: "{{ plan.poll_interval_s }}"
   register: job
   until: job is finished
   retries: "{{ plan.poll_retries }}"
-  delay: "{{ plan.poll_interval_s }}"
+  delay: 0
 
 - name: Fail with the payload's exit code and log tail
   ansible.builtin.fail:
@@ -124,10 +139,15 @@ log_tail:
   description: The last O(tail_lines) lines of the log when the job failed, else an empty string.
   returned: always
   type: str
+waited_s:
+  description: Seconds this call waited on the host (at most O(wait_s)).
+  returned: always
+  type: float
 """
 
 import json
 import os
+import time
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_text
@@ -234,6 +254,8 @@ def main():
             log=dict(type="path"),
             results=dict(type="path"),
             tail_lines=dict(type="int", default=30),
+            wait_s=dict(type="float", default=0),
+            check_interval_s=dict(type="float", default=0.25),
         ),
         supports_check_mode=True,
     )
@@ -242,8 +264,23 @@ def main():
     if os.sep in jid or jid in (".", ".."):
         module.fail_json(msg="jid must be a job id, not a path: %s" % jid)
 
-    job_missing, record = read_job_status(os.path.join(params["async_dir"], jid))
+    if params["wait_s"] < 0:
+        module.fail_json(msg="wait_s must be 0 or more seconds, got %s" % params["wait_s"])
+    if params["check_interval_s"] <= 0:
+        module.fail_json(msg="check_interval_s must be more than 0 seconds, got %s" % params["check_interval_s"])
+
+    status_path = os.path.join(params["async_dir"], jid)
+    started_wait = time.monotonic()
+    job_missing, record = read_job_status(status_path)
     finished = True if job_missing else bool(record.get("finished"))
+    while not finished:
+        left = params["wait_s"] - (time.monotonic() - started_wait)
+        if left <= 0:
+            break
+        time.sleep(min(params["check_interval_s"], left))
+        job_missing, record = read_job_status(status_path)
+        finished = True if job_missing else bool(record.get("finished"))
+    waited_s = round(time.monotonic() - started_wait, 2)
     started = False if job_missing else bool(record.get("started", True))
     rc = record.get("rc") if finished else None
     if rc is not None:
@@ -285,6 +322,7 @@ def main():
         total_m=total,
         results_status=results_status,
         log_tail=log_tail,
+        waited_s=waited_s,
     )
 
 

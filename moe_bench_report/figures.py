@@ -249,3 +249,127 @@ def percent(value: float | None) -> str:
     if value is None:
         return "?"
     return f"{value:.1f}%" if abs(value) >= 0.1 else f"{value:.2g}%"
+
+
+# The downtime's parts, in the order they happen. Each is the work itself as the one who did it
+# measured it; what is left of the downtime is the playbook's own overhead (task round trips,
+# polls, launches, checks between the parts).
+DOWNTIME_PARTS = (
+    ("stop", "unit stop"),
+    ("memory", "memory check"),
+    ("benchmark", "benchmark process"),
+    ("fetch", "fetch"),
+    ("start", "start until healthy"),
+    ("overhead", "playbook overhead"),
+)
+# The benchmark process's own phases (the payload's clock, results `phases`).
+BENCHMARK_PHASES = (
+    ("import_s", "import"),
+    ("device_s", "device"),
+    ("weights_s", "weights"),
+    ("check_s", "check"),
+    ("timing_s", "timing"),
+)
+
+
+def _seconds(value: Any) -> float | None:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return None
+    return seconds if math.isfinite(seconds) else None
+
+
+def _epoch(value: Any) -> float | None:
+    moment = parse_time(value)
+    return moment.timestamp() if moment is not None else None
+
+
+def downtime_parts(given: dict, phases: dict | None) -> dict | None:
+    """The downtime, from the stop being issued to the first healthy answer, split into its parts.
+
+    given holds the roles' facts (epoch seconds on the controller's clock, the memory check's own
+    wait); phases the payload's (seconds on the host's clock, from the process's start). Durations
+    only are taken from each clock, so the two clocks need not agree. None when the stop or the
+    healthy answer is not known (no downtime to split).
+    """
+    issued = _epoch(given.get("service_stop_issued_epoch"))
+    ready = _epoch(given.get("service_recover_ready_epoch"))
+    if issued is None or ready is None or ready < issued:
+        return None
+
+    def between(start_key: str, end_key: str) -> float | None:
+        # Only the part inside the downtime counts (the playbook fetches after the service is back).
+        start, end = _epoch(given.get(start_key)), _epoch(given.get(end_key))
+        if start is None or end is None or end < start:
+            return None
+        return max(0.0, min(end, ready) - max(start, issued))
+
+    phases = phases if isinstance(phases, dict) else {}
+    measured = {
+        "stop": between("service_stop_issued_epoch", "service_stop_stopped_epoch"),
+        "memory": _seconds(given.get("vram_check_waited_s")),
+        "benchmark": _seconds(phases.get("process_s")),
+        "fetch": between("bench_fetch_started_epoch", "bench_fetch_finished_epoch"),
+        "start": between("service_recover_start_issued_epoch", "service_recover_ready_epoch"),
+    }
+    total = ready - issued
+    known = sum(value for value in measured.values() if value is not None)
+    measured["overhead"] = max(total - known, 0.0)
+    parts = [{"part": key, "label": label, "s": None if measured[key] is None else round(measured[key], 2)}
+             for key, label in DOWNTIME_PARTS]
+    benchmark_phases = [{"phase": key[:-2], "label": label, "s": round(_seconds(phases[key]), 2)}
+                        for key, label in BENCHMARK_PHASES if _seconds(phases.get(key)) is not None]
+    fetch_started = _epoch(given.get("bench_fetch_started_epoch"))
+    return {
+        "fetch_after_downtime": fetch_started is not None and fetch_started >= ready,
+        "from": iso_utc(datetime.fromtimestamp(issued, tz=timezone.utc)),
+        "to": iso_utc(datetime.fromtimestamp(ready, tz=timezone.utc)),
+        "total_s": round(total, 2),
+        "parts": parts,
+        "benchmark_phases": benchmark_phases,
+        "compile_s": _seconds(phases.get("compile_s")),
+        "first_result_s": _seconds(phases.get("first_result_s")),
+        "unmeasured": [part["part"] for part in parts if part["s"] is None],
+        "overhead_s": round(measured["overhead"], 2),
+    }
+
+
+def downtime_line(parts: dict) -> str:
+    """One line: the total and each part, the benchmark's phases in brackets."""
+    pieces = []
+    for part in parts["parts"]:
+        if part["s"] is None:
+            pieces.append(f"{part['label']} not measured")
+            continue
+        text = f"{part['label']} {part['s']:.1f} s"
+        if part["part"] == "fetch" and parts.get("fetch_after_downtime"):
+            text = "fetch 0 s (after the service was back)"
+        if part["part"] == "benchmark" and parts["benchmark_phases"]:
+            text += " (" + ", ".join(f"{phase['label']} {phase['s']:.1f}" for phase in parts["benchmark_phases"]) + ")"
+        pieces.append(text)
+    return f"{parts['total_s']:.1f} s = " + " + ".join(pieces)
+
+
+# One letter per part in the bar picture.
+_BAR_SYMBOLS = {"stop": "S", "memory": "M", "benchmark": "B", "fetch": "F", "start": "H", "overhead": "."}
+
+
+def downtime_bar(parts: dict, width: int = 60) -> list[str]:
+    """A bar of the parts (each part's share of the width, at least one cell when it is not 0) and
+    its legend, as monospace lines."""
+    total = parts["total_s"] or 0.0
+    cells = []
+    for part in parts["parts"]:
+        seconds = part["s"] or 0.0
+        count = 0 if total <= 0 or seconds <= 0 else max(1, round(width * seconds / total))
+        cells.append((part, count))
+    # Trim or pad the largest part so the bar keeps its width.
+    if cells and total > 0:
+        largest = max(range(len(cells)), key=lambda index: cells[index][1])
+        surplus = sum(count for _, count in cells) - width
+        part, count = cells[largest]
+        cells[largest] = (part, max(1, count - surplus))
+    bar = "".join(_BAR_SYMBOLS[part["part"]] * count for part, count in cells)
+    legend = "  ".join(f"{_BAR_SYMBOLS[part['part']]} {part['label']}" for part, count in cells if count)
+    return [f"|{bar}| {total:.1f} s", legend]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import REPORT_VERSION
-from .figures import iso_utc, parse_time, seconds_between
+from .figures import downtime_parts, iso_utc, parse_time, seconds_between
 
 MANIFEST_SCHEMA = "moe_bench_report.manifest"
 
@@ -27,6 +27,16 @@ TIMELINE_KEYS = (
     "bench_run_async_finished_at",
     "service_recover_ready_at",
     "service_recover_time_to_ready_s",
+    # The downtime's parts (epoch seconds on the controller; the memory check's own wait).
+    "service_stop_issued_epoch",
+    "service_stop_stopped_epoch",
+    "vram_check_waited_s",
+    "bench_run_async_launched_epoch",
+    "bench_run_async_finished_epoch",
+    "bench_fetch_started_epoch",
+    "bench_fetch_finished_epoch",
+    "service_recover_start_issued_epoch",
+    "service_recover_ready_epoch",
 )
 
 # Extra variables AWX (and Tower before it) adds to every job it launches.
@@ -124,8 +134,9 @@ def _login_name(environ: dict) -> str:
         return "unknown"
 
 
-def timeline(given: dict) -> dict:
-    """The window's timestamps in UTC and the durations between them."""
+def timeline(given: dict, document: dict | None = None) -> dict:
+    """The window's timestamps in UTC, the durations between them, and the downtime itemised
+    (the payload's own phases from its results document)."""
     stopped = parse_time(given.get("service_stop_stopped_at"))
     started = parse_time(given.get("bench_run_async_started_at"))
     finished = parse_time(given.get("bench_run_async_finished_at"))
@@ -143,6 +154,7 @@ def timeline(given: dict) -> dict:
         "downtime_s": seconds_between(stopped, ready),
         "benchmark_s": seconds_between(started, finished),
         "time_to_ready_s": time_to_ready,
+        "downtime_parts": downtime_parts(given, (document or {}).get("phases")),
     }
 
 
@@ -214,10 +226,11 @@ def build_manifest(
             "ceilings": document.get("ceilings"),
             "schema_version": document.get("schema_version"),
         },
-        "timeline": timeline(given),
+        "timeline": timeline(given, document),
         "validity": validity(given),
         "launch": launch,
         "maintenance_window": given.get("maintenance_window") if isinstance(given.get("maintenance_window"), dict) else None,
         "plan": plan,
+        "prewarm": given.get("prewarm") if isinstance(given.get("prewarm"), dict) else None,
         "files_sha256": {name: digest for name, digest in fetched.items() if digest},
     }

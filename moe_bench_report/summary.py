@@ -3,7 +3,7 @@ headline figures (for AWX's set_stats), all from one summary dict built in build
 
 from __future__ import annotations
 
-from .figures import human_duration, readable
+from .figures import downtime_bar, downtime_line, human_duration, readable
 from .history import config_label
 
 
@@ -82,6 +82,32 @@ def downtime_sentence(timeline: dict) -> str:
     )
 
 
+def downtime_itemised_sentence(timeline: dict) -> str:
+    parts = timeline.get("downtime_parts")
+    if not parts:
+        return "not available (no sub-second timestamps of the stop and the healthy answer in this run's timeline)"
+    text = downtime_line(parts)
+    if parts.get("first_result_s") is not None:
+        text += f"; first timed figure {parts['first_result_s']:.1f} s after the benchmark process started"
+    if parts["unmeasured"]:
+        text += f"; not measured (counted as overhead): {', '.join(parts['unmeasured'])}"
+    return text
+
+
+def prewarm_sentence(prewarm: dict) -> str:
+    """What the read-ahead of the model's files did beside the benchmark."""
+    if prewarm.get("bytes") is None:
+        return f"no record ({prewarm.get('error') or prewarm.get('stopped') or 'unknown'})"
+    gib = prewarm["bytes"] / 2**30
+    total = prewarm.get("bytes_total")
+    text = f"{gib:.2f} GiB" + (f" of {total / 2**30:.2f} GiB" if total else "")
+    text += f" read into the page cache in {float(prewarm.get('seconds') or 0):.1f} s, {prewarm.get('files_read', 0)}"
+    text += f" of {prewarm.get('files_total', 0)} files; stopped: {prewarm.get('stopped')}"
+    if prewarm.get("error"):
+        text += f" ({prewarm['error']})"
+    return text
+
+
 def job_sentence(timeline: dict) -> str:
     parts = []
     if timeline.get("benchmark_s") is not None:
@@ -119,13 +145,17 @@ def markdown(summary: dict) -> str:
         f"- **Knee:** {knee_sentence(knee, summary['knee_rule'], len(summary['per_m']))}",
         f"- **Saturation:** {saturation_sentence(summary.get('saturation'), knee)}",
         f"- **Downtime:** {downtime_sentence(timeline)}",
+        f"- **Downtime, itemised:** {downtime_itemised_sentence(timeline)}",
         f"- **Benchmark job:** {job_sentence(timeline)}",
+        *([f"- **Model read-ahead:** {prewarm_sentence(manifest['prewarm'])}"] if manifest.get("prewarm") else []),
         f"- **Compared with previous run:** {regression_sentence(regression)}",
         f"- **Project:** commit {manifest['project']['commit']}"
         + (" (working tree modified)" if manifest["project"].get("dirty") else "")
         + f"; launched by {launch_text(manifest['launch'])}",
         "",
     ]
+    if timeline.get("downtime_parts"):
+        lines += ["## Downtime", "", "```", *downtime_bar(timeline["downtime_parts"]), "```", ""]
     if summary.get("load_error"):
         lines += [f"**The results could not be read:** {summary['load_error']}", ""]
     if summary["per_m"]:
@@ -289,6 +319,9 @@ def console_lines(summary: dict) -> list[str]:
     elif tp:
         lines.append(f"Tensor-parallel run: {tp.get('status')}" + (f" ({tp['load_error']})" if tp.get("load_error") else ""))
     lines.append(f"Downtime: {downtime_sentence(manifest['timeline'])}.")
+    if manifest["timeline"].get("downtime_parts"):
+        lines.append(f"Downtime, itemised: {downtime_line(manifest['timeline']['downtime_parts'])}.")
+        lines.extend(downtime_bar(manifest["timeline"]["downtime_parts"]))
     lines.append(regression_sentence(regression))
     lines.append(f"summary: {summary['files']['summary_md']}")
     return lines

@@ -41,7 +41,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moe_bench import presets
+from moe_bench import gluon_moe, presets
 from moe_bench import triton_moe as tm
 from moe_bench.sass import wgmma_operand_hazards
 
@@ -129,6 +129,30 @@ def compile_gemm(which: int, block_m: int, g: dict, group: int = 32, overlap: bo
         signature[name] = "constexpr"
     src = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=_attrs(signature))
     return triton.compile(src, target=target or TARGET, options=dict(num_warps=g["warps"], num_stages=g["stages"]))
+
+
+def compile_gluon(which: str, group: int = 32, *, target=None):
+    """The Gluon path's warp-specialised GEMM (gluon_moe._ws_gemm_kernel) as GEMM1 ("g1") or
+    GEMM2 ("g2") with its tile (gluon_moe.GLUON_TILES)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    tile = gluon_moe.GLUON_TILES[which]
+
+    def desc(dtype: str, block, layout) -> str:
+        return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
+
+    signature = {"x_desc": desc("bf16", [tile["bm"], 32], gluon_moe._x_layout(tile["bm"])),
+                 "w_desc": desc("u8", [2 * tile["bnc"] // 32, 32, 32], gluon_moe._w_layout()),
+                 "s_ptr": "*bf16", "out_ptr": "*bf16", "topk_w_ptr": "*fp32", "sorted_slot_ptr": "*i32",
+                 "block_expert_ptr": "*i32", "block_rows_ptr": "*i32", "K": "i32", "N": "i32", "stride_se": "i64",
+                 "stride_sg": "i32", "stride_om": "i32", "w_row_groups": "i32"}
+    constants = dict(BM=tile["bm"], BNC=tile["bnc"], GROUP=group, GATE_UP=which == "g1", STAGES=tile["stages"],
+                     CONSUMER_REGS=tile.get("consumer_regs", 232), PRODUCER_REGS=tile.get("producer_regs", 40),
+                     SS=bool(tile.get("ss", False)))
+    for name in constants:
+        signature[name] = "constexpr"
+    src = GluonASTSource(gluon_moe._ws_gemm_kernel, signature, constants, {})
+    return triton.compile(src, target=target or TARGET, options=dict(num_warps=4))
 
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -246,11 +270,56 @@ def portability_jobs(archs: list[int], shapes) -> list[dict]:
                         job["used_by"] = []
                         jobs.append(job)
                     seen[key]["used_by"].append(f"{shape_label} M={m}")
+        # The Gluon path (gluon_moe): one kernel per GEMM and group size, wherever a shape fits
+        # its tiles; on every other architecture reported as not applicable, never dropped.
+        for shape_label, shape in shapes:
+            if gluon_moe.shape_unavailable_reason(shape) is not None:
+                continue
+            for which in ("g1", "g2"):
+                key = json.dumps(dict(arch=arch, gluon=which, group=shape.group_size))
+                if key not in seen:
+                    seen[key] = dict(arch=arch, gluon=which, group=shape.group_size, used_by=[])
+                    jobs.append(seen[key])
+                seen[key]["used_by"].append(f"{shape_label} (Gluon path)")
     return jobs
+
+
+def check_gluon_job(job: dict) -> dict:
+    """Compile the Gluon path's kernel for job's architecture, or say why it does not apply there."""
+    started = time.perf_counter()
+    arch, limits = job["arch"], ARCHS[job["arch"]]
+    tile = gluon_moe.GLUON_TILES[job["gluon"]]
+    label = (f"sm_{arch} GEMM{job['gluon'][1]} Gluon warp-specialised bm{tile['bm']},bnc={tile['bnc']},"
+             f"stages={tile['stages']}")
+    reason = gluon_moe.path_unavailable_reason(limits.capability, gluon_moe.api_error(), env={})
+    if reason is not None:
+        return dict(label=label, used_by=job["used_by"], problems=[], notes=[f"not applicable: {reason}"],
+                    summary="n/a", not_applicable=True, seconds=time.perf_counter() - started)
+    problems = []
+    try:
+        d = describe(compile_gluon(job["gluon"], job["group"], target=GPUTarget("cuda", arch, 32)))
+    except Exception as exc:
+        return dict(label=label, used_by=job["used_by"], problems=[f"compile failed: {type(exc).__name__}: "
+                                                                   f"{str(exc)[:300]}"], notes=[],
+                    seconds=time.perf_counter() - started)
+    threads = 32 * 12  # two consumer warp groups and the producer warp's group
+    if d["shared"] > limits.smem_per_block:
+        problems.append(f"shared memory {d['shared']} B over sm_{arch}'s {limits.smem_per_block} B per block")
+    if d["regs"] > MAX_REGISTERS_PER_THREAD or d["regs"] * threads > REGISTERS_PER_SM:
+        problems.append(f"{d['regs']} registers x {threads} threads do not fit sm_{arch}'s register file")
+    if d["local"] > 0 or d["stack"] > 0:
+        problems.append(f"spills: {d['local']} B local memory, {d['stack']} B stack per thread")
+    if not d["counts"].get("HGMMA"):
+        problems.append("no HGMMA in the compiled code")
+    summary = f"regs {d['regs']:3d} smem {d['shared']:6d} local {d['local']} HGMMA={d['counts'].get('HGMMA', 0)}"
+    return dict(label=label, used_by=job["used_by"], problems=problems, notes=[], summary=summary,
+                seconds=time.perf_counter() - started)
 
 
 def check_job(job: dict) -> dict:
     """Compile one kernel for its architecture and check that it fits and is race-free."""
+    if "gluon" in job:
+        return check_gluon_job(job)
     started = time.perf_counter()
     arch, limits = job["arch"], ARCHS[job["arch"]]
     target = GPUTarget("cuda", arch, 32)
@@ -318,16 +387,18 @@ def portability_main(args) -> int:
     started = time.perf_counter()
     print(f"triton {triton.__version__}: {len(jobs)} kernel compiles for {len(shapes)} shapes "
           f"({', '.join(label for label, _ in shapes)}) on {', '.join(f'sm_{a}' for a in args.arch)}", flush=True)
-    failed = 0
+    failed = not_applicable = 0
     with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         for result in pool.map(check_job, jobs):
-            status = "FAIL" if result["problems"] else "ok"
+            status = "FAIL" if result["problems"] else ("n/a" if result.get("not_applicable") else "ok")
             failed += bool(result["problems"])
+            not_applicable += bool(result.get("not_applicable"))
             print(f"{status:4s} {result['label']:70s} {result.get('summary', '')} [{result['seconds']:.1f}s] "
                   f"used by {len(result['used_by'])} (shape, M), e.g. {result['used_by'][0]}", flush=True)
             for line in result["notes"] + result["problems"]:
                 print(f"     {line}", flush=True)
-    print(f"{len(jobs) - failed} of {len(jobs)} configurations compile and fit; {failed} failed "
+    print(f"{len(jobs) - failed - not_applicable} of {len(jobs)} configurations compile and fit; {failed} failed; "
+          f"{not_applicable} not applicable on their architecture (the Gluon path off sm_90) "
           f"[{time.perf_counter() - started:.0f} s]", flush=True)
     return 1 if failed else 0
 

@@ -75,6 +75,10 @@ def check_m(moe, weights, shape, m: int, device, seed: int) -> float | None:
             buf.fill_(float("nan"))
     for buf in moe._partials.values():
         buf.fill_(float("nan"))
+    gluon = getattr(moe, "_gluon", None)
+    for ws in (gluon._buffers.values() if gluon is not None else ()):
+        for name in ("xs", "inter"):
+            ws[name].fill_(float("nan"))
     out = cli.poisoned_call(moe, x, ids, wts, shape.hidden)
     ref = reference_moe(weights, x, ids, wts)
     return cli.relative_error(out, ref)
@@ -126,11 +130,14 @@ def graph_time_us(moe, shape, m: int, device, seed: int, replays: int, budget_s:
 def path_of(config: dict) -> str:
     """Which kernels an M ran: the one-row (CUDA-core) path or the tensor-core one, and for the
     latter whether its warp-group MMAs ran overlapped (TritonW4A16MoE._launch)."""
+    if config.get("path") == "gluon-hopper-ws":
+        return f"gluon-hopper-ws bm{config['gluon']['g1']['bm']}"
     if config["g1"].get("gemv"):
         return "one-row" + ("/by-expert" if config["g1"].get("sort") else "")
     overlap = [config[g].get("mma_overlap") for g in ("g1", "g2")]
     form = "overlapped" if all(overlap) else ("serialised" if not any(o is None for o in overlap) else "mma-?")
-    return f"tensor-core bm{config['block_m']} {form}"
+    fallback = f" (Gluon path not run: {config['gluon_fallback']})" if config.get("gluon_fallback") else ""
+    return f"tensor-core bm{config['block_m']} {form}{fallback}"
 
 
 def main(argv=None) -> int:

@@ -24,6 +24,26 @@ EXIT_ENVIRONMENT = 3
 EXIT_CORRECTNESS = 4
 EXIT_RUNTIME = 5
 
+
+
+def process_age_s() -> float:
+    """Seconds since this process started, by the kernel's record (/proc/self/stat's start time
+    against /proc/uptime, 10 ms ticks), so the interpreter's start and the import of torch count;
+    0 where /proc cannot say."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as stat:
+            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime", encoding="ascii") as uptime:
+            uptime_s = float(uptime.read().split()[0])
+        return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+# The process's start on the perf_counter clock: the results' phases count from it, so the
+# interpreter's start and the import of torch and Triton are the first phase.
+PROCESS_STARTED = time.perf_counter() - process_age_s()
+
 DEFAULT_M_LIST = tuple(2**i for i in range(12))  # 1, 2, 4, ..., 2048
 # Routings rotated through while timing one M: each reads its own expert set, so consecutive
 # replays do not find the previous one's experts in L2 (50 MB on an H200, under one M=1 set).
@@ -443,6 +463,15 @@ def run_benchmark(settings: Settings) -> int:
             check_backend_available(settings.args.backend)
         except BackendUnavailable as error:
             raise EnvironmentFailure(str(error)) from None
+        phase_started = PROCESS_STARTED
+
+        def end_phase(name: str) -> None:
+            nonlocal phase_started
+            now = time.perf_counter()
+            writer.set_phase(name, now - phase_started, now - PROCESS_STARTED)
+            phase_started = now
+
+        end_phase("import_s")
         phase = f"opening {settings.device}"
         device = _open_device(settings)
         dtype = getattr(torch, settings.dtype_name)
@@ -451,6 +480,7 @@ def run_benchmark(settings: Settings) -> int:
         ceilings = resolve_ceilings(settings, device)
         writer.set_ceilings(ceilings)
         log(f"ceilings: {ceilings['bandwidth_gbps']} GB/s, {ceilings['tflops']} TFLOP/s ({ceilings['source']})")
+        end_phase("device_s")
 
         from . import quant
 
@@ -468,10 +498,13 @@ def run_benchmark(settings: Settings) -> int:
         except ValueError as error:
             raise EnvironmentFailure(f"backend {settings.args.backend} cannot run this shape: {error}") from None
         timing_info = {"method": None, "routings": ROUTINGS[settings.device_kind], "notes": []}
+        end_phase("weights_s")
 
         phase = "checking correctness"
         log("checking correctness ...")
         check_correctness(settings, backend, weights, dtype, device, writer)
+        end_phase("check_s")
+        timing_started = phase_started
 
         fail_at = os.environ.get(_FAULT_INJECTION_ENV)
         total = len(settings.m_list)
@@ -488,8 +521,12 @@ def run_benchmark(settings: Settings) -> int:
                 log(f"note M={m}: {note}")
             writer.set_timing(timing_info)
             writer.add_result(row)
+            if index == 1:
+                writer.set_first_result(time.perf_counter() - PROCESS_STARTED)
             log(f"M={m} ({index}/{total}) {row['us']:.1f} us {row['us_per_token']:.2f} us/token "
                 f"{row['pct_of_floor']:.1f}% of floor elapsed {time.perf_counter() - started:.1f} s")
+        phase_started = timing_started
+        end_phase("timing_s")
         writer.complete()
         log(f"complete: {total} M values in {time.perf_counter() - started:.1f} s"
             + (f", results in {settings.args.out}" if settings.args.out else ""))

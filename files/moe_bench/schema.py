@@ -15,6 +15,10 @@ the whole layer, and the all-reduce's bus bandwidth); correctness checks name th
 In a tensor-parallel run `results` holds the shard's MoE per M (the slowest rank's), so every
 reader of `results` keeps working.
 
+Version 3 added `phases`: where the payload process spent its time, in seconds from the process's
+start (PHASE_FIELDS), written through as each phase ends, so the downtime's benchmark part can be
+itemised from the payload's own clock. Older documents read with `phases` None.
+
 Only the standard library is imported here, so the controller can load results without torch.
 """
 
@@ -30,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 SCHEMA_NAME = "moe_bench.results"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 STATUSES = ("running", "complete", "failed")
 ERROR_KINDS = ("environment", "correctness", "runtime")
@@ -91,6 +95,15 @@ TP_RESULT_FIELDS = (
     "allreduce_us_by_rank",
     "samples",
 )
+# The payload process's phases, in the order they run (seconds each): importing torch and the
+# backend's packages, opening the device and measuring its ceilings, building the weights and
+# preparing the backend, the correctness check, and the timed M values. The first calls that
+# compile (the check's and each M's untimed first call) are inside check_s and timing_s and summed
+# in compile_s (as compile_seconds); first_result_s is the process's age at its first timed figure,
+# process_s its age when the document was last written.
+PHASE_FIELDS = ("import_s", "device_s", "weights_s", "check_s", "timing_s")
+PHASE_SUMMARY_FIELDS = ("compile_s", "first_result_s", "process_s")
+
 TOP_LEVEL_FIELDS = (
     "schema",
     "schema_version",
@@ -189,6 +202,7 @@ def new_document(environment: dict, config: dict, ceilings: dict | None = None) 
         "results": [],
         "tp": None,
         "tp_results": [],
+        "phases": {},
     }
 
 
@@ -225,6 +239,22 @@ class ResultsWriter:
         """How the figures were taken: method (cuda-graph, cuda-events-eager, cpu-perf-counter),
         routings rotated, notes such as a graph capture that fell back to eager timing."""
         self.document["timing"] = dict(timing)
+        self.write()
+
+    def set_phase(self, name: str, seconds: float, process_s: float) -> None:
+        """One phase ended (PHASE_FIELDS): its seconds and the process's age now."""
+        if name not in PHASE_FIELDS:
+            raise ValueError(f"unknown phase {name!r}")
+        phases = self.document["phases"]
+        phases[name] = round(float(seconds), 3)
+        phases["compile_s"] = self.document["compile_seconds"]
+        phases["process_s"] = round(float(process_s), 3)
+        self.write()
+
+    def set_first_result(self, process_s: float) -> None:
+        """The process's age at its first timed figure (kept from the first call)."""
+        self.document["phases"].setdefault("first_result_s", round(float(process_s), 3))
+        self.document["phases"]["process_s"] = round(float(process_s), 3)
         self.write()
 
     def add_correctness(self, check: dict) -> None:
@@ -287,7 +317,13 @@ def _v1_to_v2(document: dict) -> dict:
     return document
 
 
-_UPGRADES: dict[int, Callable[[dict], dict]] = {1: _v1_to_v2}
+def _v2_to_v3(document: dict) -> dict:
+    """Version 2 did not record the process's phases."""
+    document.setdefault("phases", None)
+    return document
+
+
+_UPGRADES: dict[int, Callable[[dict], dict]] = {1: _v1_to_v2, 2: _v2_to_v3}
 
 
 def upgrade_document(document: dict) -> dict:

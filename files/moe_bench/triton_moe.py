@@ -48,6 +48,11 @@ of the activations (gathered with the same index pattern): no nibble is ever int
 A nibble u becomes a number without an integer conversion: written under the bf16 exponent of
 128 it reads as 128 + u, and one bf16 fused multiply-add makes it q = u - 8, exactly.
 
+On an sm_90 GPU with Gluon, a third path exists for the tensor-core M range: moe_bench.gluon_moe
+(warp-specialised, copy-engine loads, warp-group MMAs), checked against this module's kernels
+on its first call and falling back to them on any failure (TritonW4A16MoE._gluon_runs); it is
+not selected by default (measured slower, PERFORMANCE.md round 16; MOE_BENCH_GLUON=force runs it).
+
 Constraints (ValueError otherwise): group size a power of two, at least 32 (so every 32-value
 chunk lies inside one group); hidden and inter multiples of the group size. Tiles come from
 the shape's table per M (table_for), fitted to the device (fit_to_device) and shrunk to divide
@@ -1067,11 +1072,27 @@ def workspace_bytes(shape: quant.MoEShape, m: int, dtype_bytes: int = 2) -> int:
 # The backend
 # ---------------------------------------------------------------------------
 
+# The Gluon path's first-call check: its output against the plain-Triton path's on the same
+# inputs. Each lands 2e-3 to 4e-3 from the float32 reference (bf16 operands, float32
+# accumulation; PERFORMANCE.md), so two correct paths differ by about 5e-3; an indexing or
+# synchronisation fault gives O(1).
+GLUON_TOLERANCE = 2e-2
+
+
+def gluon_check_error(out: torch.Tensor, ref: torch.Tensor) -> float | None:
+    """||out - ref|| / ||ref|| in float64; None when out holds a non-finite value."""
+    out = out.double()
+    ref = ref.double()
+    if not torch.isfinite(out).all():
+        return None
+    return float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-30))
+
+
 
 class TritonW4A16MoE:
     """Fused W4A16 MoE forward on packed int4 weights; see the module docstring."""
 
-    def __init__(self, weights: quant.MoEWeights, max_m: int, table=None):
+    def __init__(self, weights: quant.MoEWeights, max_m: int, table=None, gluon: bool = True):
         _check_shape(weights.shape)
         if max_m < 1:
             raise ValueError(f"max_m must be at least 1, got {max_m}")
@@ -1108,8 +1129,83 @@ class TritonW4A16MoE:
         self._g2_split = 1
         # Per GEMM configuration: whether its overlapped form passed the SASS check (_launch).
         self._overlap: dict[tuple, bool] = {}
+        self._init_gluon(gluon)
         # The activation-sized buffers depend on x's dtype: made on first use per dtype
         # (outside a graph capture: the harness warms up before capturing).
+
+    def _init_gluon(self, wanted: bool) -> None:
+        """The warp-specialised Gluon path (moe_bench.gluon_moe) for the M it applies to, where
+        the device, the installed Triton and the shape allow it; otherwise self.gluon_reason
+        says why not (the results carry it, see configs_used). Decided here, then once more
+        by its correctness check on first use (_gluon_runs)."""
+        self._gluon = None
+        self._gluon_checked = False
+        self.gluon_error: float | None = None
+        try:
+            from . import gluon_moe
+        except Exception as exc:  # noqa: BLE001 - the plain-Triton path needs nothing of it
+            self.gluon_reason = f"moe_bench.gluon_moe not importable: {type(exc).__name__}: {exc}"
+            return
+        if not wanted:
+            self.gluon_reason = "not asked for (gluon=False)"
+            return
+        capability = self.limits.capability if self.limits is not None else None
+        reason = gluon_moe.path_unavailable_reason(capability, gluon_moe.api_error() if capability == (9, 0) else None)
+        reason = reason or gluon_moe.shape_unavailable_reason(self.shape)
+        if reason is None:
+            try:
+                self._gluon = gluon_moe.GluonHopperPath(self)
+            except Exception as exc:  # noqa: BLE001 - any failure here means the plain-Triton path
+                reason = f"setup failed: {type(exc).__name__}: {str(exc)[:200]}"
+        self.gluon_reason = reason
+
+    def _gluon_can_run(self, m: int) -> bool:
+        from . import gluon_moe
+
+        # The workspace is sized by the table's largest block (block_m 64 from about 20-30 slots
+        # per expert): an M whose Gluon blocks would need more runs the plain-Triton rows.
+        block = self._gluon.bm if self._gluon is not None else gluon_moe.GLUON_TILES["g1"]["bm"]
+        return gluon_moe.can_run_at(self.shape, m) and _padded_rows(self.shape, m, block) <= self._max_padded
+
+    def _gluon_applies(self, m: int) -> bool:
+        from . import gluon_moe
+
+        return gluon_moe.selected() and self._gluon_can_run(m)
+
+    def _gluon_runs(self, x, topk_ids, topk_weights):
+        """The Gluon path's output for this call, or None when the plain-Triton path runs.
+
+        Its first call compiles it and checks it against the plain-Triton path on the same
+        inputs (relative difference at most GLUON_TOLERANCE, every element finite); a compile
+        error or a failed check turns the path off for this backend, with the reason kept for
+        the results (a fallback never fails the run). The first call must come before any
+        graph capture (the harness warms up and checks every M first)."""
+        if self._gluon is None or not self._gluon_applies(x.shape[0]) or x.dtype not in self._gluon.dtypes:
+            return None
+        if self._gluon_checked:
+            return self._gluon.forward(x, topk_ids, topk_weights)
+        on_gpu = self._device.type == "cuda"
+        if on_gpu and torch.cuda.is_current_stream_capturing():
+            return None  # never checked inside a capture: the plain-Triton path
+        self._gluon_checked = True
+        try:
+            out = self._gluon.forward(x, topk_ids, topk_weights).clone()
+            if on_gpu:
+                torch.cuda.synchronize(self._device)
+        except Exception as exc:  # noqa: BLE001
+            self.gluon_reason = f"compile or launch failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            self._gluon = None
+            return None
+        ref = self._forward_triton(x, topk_ids, topk_weights)
+        error = gluon_check_error(out, ref)
+        self.gluon_error = error
+        if error is None or error > GLUON_TOLERANCE:
+            shown = "non-finite or unwritten output" if error is None else f"relative difference {error:.2e}"
+            self.gluon_reason = (f"failed its correctness check at M={x.shape[0]}: {shown} against the "
+                                 f"plain-Triton path (at most {GLUON_TOLERANCE:.0e})")
+            self._gluon = None
+            return None
+        return out
 
     def _config(self, m: int) -> dict:
         cfg = _config_for(self.shape, m, self.table)
@@ -1140,6 +1236,18 @@ class TritonW4A16MoE:
                 cfg[which] = dict(cfg[which], mma_overlap=ran)
         # Which kernels run this M, and where their table came from (results say so).
         cfg["path"] = "one-row" if cfg["g1"].get("gemv") else "tensor-core"
+        if cfg["path"] == "tensor-core" and self._gluon_can_run(m):
+            from . import gluon_moe
+
+            if self._gluon is not None and not gluon_moe.selected():
+                cfg["gluon_fallback"] = gluon_moe.NOT_SELECTED
+            elif self._gluon is not None:
+                # What runs once the first call's check has passed (before it: expected to).
+                cfg["path"] = gluon_moe.PATH_NAME
+                cfg["gluon"] = dict(gluon_moe.GLUON_TILES, checked=self._gluon_checked,
+                                    check_error=self.gluon_error)
+            else:
+                cfg["gluon_fallback"] = self.gluon_reason
         if not self._fit_device:
             cfg["table"] = "given"
         else:
@@ -1182,12 +1290,17 @@ class TritonW4A16MoE:
         return kernel
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0]
         self._check_inputs(x, topk_ids, topk_weights)
         x = x.contiguous()
         topk_ids = topk_ids.to(torch.int32).contiguous()
         topk_weights = topk_weights.to(torch.float32).contiguous()
-        cfg = self._config(m)
+        out = self._gluon_runs(x, topk_ids, topk_weights)
+        if out is not None:
+            return out
+        return self._forward_triton(x, topk_ids, topk_weights)
+
+    def _forward_triton(self, x, topk_ids, topk_weights):
+        cfg = self._config(x.shape[0])
         if cfg["g1"].get("gemv"):
             self.word_order(x, topk_ids, by_expert=cfg["g1"].get("sort", False))
             self.gemv1(x, cfg["g1"])

@@ -37,6 +37,8 @@ BAD_INPUTS = [
     pytest.param({"moe_bench_state_dir": "var/lib/moe-bench"}, r"moe_bench_state_dir: must be an absolute path",
                  id="state-dir-relative"),
     pytest.param({"moe_bench_state_dir": "/"}, r"moe_bench_state_dir: '/' is the root folder", id="state-dir-root"),
+    pytest.param({"moe_bench_prewarm_paths": "/usr/lib/python3,/srv/models/no-such-model"},
+                 r"moe_bench_prewarm_paths: /srv/models/no-such-model on .* does not exist", id="prewarm-path-missing"),
 ]
 
 

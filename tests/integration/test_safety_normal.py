@@ -4,12 +4,16 @@ import json
 import os
 import re
 
+import pytest
+
 from conftest import STATE_DIR, fetched_run_dirs
 
 
 def test_normal_run_restores_service_fetches_results_and_disarms_deadman(simhost, run_playbook, results_dir):
     before = simhost.unit_show()
-    run = run_playbook(simhost)
+    # The model read-ahead beside the benchmark (a small folder of the host stands in for the
+    # model's weights): it reads, records, and changes nothing the benchmark measures.
+    run = run_playbook(simhost, {"moe_bench_prewarm_paths": "/usr/lib/python3.11", "moe_bench_prewarm_reserve_mib": 64})
     assert run.rc == 0, run.describe()
     after = simhost.unit_show()
     assert after["ActiveState"] == "active", after
@@ -34,6 +38,30 @@ def test_normal_run_restores_service_fetches_results_and_disarms_deadman(simhost
     ready_s = float(recover["time_to_ready_s"])
     timing = {"total_s": round(run.wall_s, 1), "benchmark_s": bench_s, "time_to_ready_s": ready_s,
               "overhead_s": round(run.wall_s - bench_s - ready_s, 1)}
+    # The downtime, itemised in the manifest: from the stop to the first healthy answer, each
+    # part measured, the benchmark process from the payload's own phases, the fetch after the
+    # service was back (no part of it), the playbook's overhead the rest.
+    manifest = json.loads((fetched / "manifest.json").read_text())
+    parts = manifest["timeline"]["downtime_parts"]
+    assert parts is not None, manifest["timeline"]
+    seconds = {part["part"]: part["s"] for part in parts["parts"]}
+    assert list(seconds) == ["stop", "memory", "benchmark", "fetch", "start", "overhead"] and parts["unmeasured"] == []
+    assert sum(seconds.values()) == pytest.approx(parts["total_s"], abs=0.05)
+    assert seconds["benchmark"] == pytest.approx(results["phases"]["process_s"], abs=0.01)
+    assert [phase["phase"] for phase in parts["benchmark_phases"]] == ["import", "device", "weights", "check", "timing"]
+    assert seconds["fetch"] == 0 and parts["fetch_after_downtime"] is True
+    # The start part begins when the start is asked for, recover.json's time to ready once it returned.
+    assert 0 < seconds["stop"] and 0 <= seconds["memory"] and ready_s - 0.5 <= seconds["start"]
+    assert parts["total_s"] <= run.wall_s and parts["first_result_s"] < seconds["benchmark"]
+    summary_md = (fetched / "summary.md").read_text()
+    assert "**Downtime, itemised:** %.1f s = unit stop" % parts["total_s"] in summary_md
+    assert "## Downtime\n\n```\n|" in summary_md
+    prewarm = manifest["prewarm"]
+    assert prewarm["paths"] == ["/usr/lib/python3.11"] and prewarm["error"] is None, prewarm
+    assert prewarm["stopped"] in ("done", "benchmark ended") and 0 < prewarm["bytes"] <= prewarm["bytes_total"], prewarm
+    assert "**Model read-ahead:** " in summary_md and "read into the page cache" in summary_md
+    timing["downtime_s"] = parts["total_s"]
+    timing["downtime_overhead_s"] = parts["overhead_s"]
     print("normal run timing: %s" % json.dumps(timing))
     timing_file = os.environ.get("MOE_BENCH_IT_TIMING_FILE")
     if timing_file:

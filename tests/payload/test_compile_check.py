@@ -50,7 +50,16 @@ def _assert_clean(result: subprocess.CompletedProcess) -> None:
 
 def test_kimi_table_compiles_and_fits_on_every_architecture():
     jobs = str(min(2, os.cpu_count() or 1))
-    _assert_clean(run_check("--arch", ARCHS, "--preset", "kimi-k2.6", "--tp", "1", "--jobs", jobs))
+    result = run_check("--arch", ARCHS, "--preset", "kimi-k2.6", "--tp", "1", "--jobs", jobs)
+    _assert_clean(result)
+    # The Gluon path: compiled and checked on sm_90, reported (not dropped) everywhere else.
+    gluon = [line for line in result.stdout.splitlines() if "Gluon warp-specialised" in line]
+    assert len(gluon) == 2 * 5, result.stdout[-3000:]
+    for arch in ("sm_80", "sm_89", "sm_100", "sm_120"):
+        assert sum(line.startswith(f"n/a  {arch} ") for line in gluon) == 2, gluon
+    sm90 = [line for line in gluon if " sm_90 " in f" {line}"]
+    assert all(line.startswith("ok") or line.startswith("n/a") for line in sm90), sm90
+    assert "not applicable on their architecture" in result.stdout
     _assert_clean(run_check("--arch", "sm_90", "--preset", "mixtral-8x7b", "--tp", "1", "--jobs", jobs))
 
 

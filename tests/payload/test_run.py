@@ -55,6 +55,18 @@ def test_default_m_list_on_the_cpu_without_triton(run_payload, without_triton, t
         assert 0 < row["distinct_experts"] <= shape.experts
     csv_lines = (out.parent / "results.csv").read_text().splitlines()
     assert len(csv_lines) == 13 and csv_lines[0].startswith("m,us,us_p20,us_p80")
+    # The process's own phases, in order, each measured, together the process's age at the end
+    # (the downtime's benchmark part is itemised from them).
+    phases = loaded["phases"]
+    assert [name for name in phases if name.endswith("_s") and name not in ("compile_s", "first_result_s", "process_s")] \
+        == ["import_s", "device_s", "weights_s", "check_s", "timing_s"]
+    assert all(phases[name] >= 0 for name in phases)
+    assert phases["import_s"] > 0.2, "importing torch takes time: the import phase must count it (from the process start)"
+    parts = sum(phases[name] for name in ("import_s", "device_s", "weights_s", "check_s", "timing_s"))
+    assert parts == pytest.approx(phases["process_s"], abs=0.01)
+    assert phases["import_s"] + phases["device_s"] + phases["weights_s"] + phases["check_s"] \
+        < phases["first_result_s"] < phases["process_s"] < elapsed
+    assert phases["compile_s"] == loaded["compile_seconds"]
 
 
 def test_given_ceilings_are_used_and_marked(tmp_path, capsys):

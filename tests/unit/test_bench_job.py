@@ -280,3 +280,49 @@ def test_real_async_job_polled_with_progress_callback(tmp_path):
 
     assert results["missing"]["job_missing"] is True and results["missing"]["finished"] is True
     assert results["plan"]["async_limit_s"] == 70 and results["plan"]["poll_retries"] == 71
+
+
+def test_long_poll_returns_as_soon_as_the_job_ends(job):
+    """wait_s: the end of the job is noticed within a fraction of a second, not at the next poll."""
+    import threading
+    import time
+
+    job["status_path"].write_text(json.dumps({"started": True, "finished": False, "ansible_job_id": JID}))
+    job["log_path"].write_text("[moe_bench] M=1 (1/3) 46.1 us 46.1 us/token 100.0% of floor elapsed 3.2 s\n")
+
+    def finish():
+        time.sleep(0.6)
+        job["status_path"].write_text(json.dumps({"rc": 0, "ansible_job_id": JID}))
+
+    writer = threading.Thread(target=finish)
+    started = time.monotonic()
+    writer.start()
+    result = poll(job, wait_s=20)
+    elapsed = time.monotonic() - started
+    writer.join()
+    assert result["finished"] is True and result["exit_code"] == 0 and result["job_failed"] is False
+    assert 0.5 <= elapsed < 3, elapsed
+    assert 0.5 <= result["waited_s"] < 3
+
+
+def test_long_poll_on_a_running_job_waits_its_interval_and_returns_the_progress(job):
+    import time
+
+    job["status_path"].write_text(json.dumps({"started": True, "finished": False, "ansible_job_id": JID}))
+    job["log_path"].write_text("[moe_bench] M=1 (1/3) 46.1 us 46.1 us/token 100.0% of floor elapsed 3.2 s\n")
+    started = time.monotonic()
+    result = poll(job, wait_s=1.0, check_interval_s=0.1)
+    elapsed = time.monotonic() - started
+    assert result["finished"] is False and elapsed >= 1.0 and result["waited_s"] >= 1.0
+    assert result["progress"].startswith("[moe_bench] M=1 (1/3)")
+
+
+def test_long_poll_does_not_wait_on_a_missing_job(job):
+    result = poll(job, wait_s=30)
+    assert result["job_missing"] is True and result["finished"] is True and result["waited_s"] < 1
+
+
+@pytest.mark.parametrize("option, value", [("wait_s", -1), ("check_interval_s", 0)])
+def test_long_poll_refuses_bad_times(job, option, value):
+    result = poll(job, **{option: value})
+    assert result.get("failed") and option in result["msg"]

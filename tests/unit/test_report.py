@@ -471,3 +471,74 @@ def test_cli_rejects_bad_input_with_a_clear_message(tmp_path, capsys):
     assert main(["build", "--run-dir", str(tmp_path / "nope"), "--host", HOST]) == 3
     error = capsys.readouterr().err
     assert f"report of host {HOST}" in error and "does not exist" in error and "rerun" in error
+
+
+# ---- the downtime, itemised ---------------------------------------------------------------
+
+ITEMISED = {
+    # Epoch seconds on the controller, as the roles set them (strings: Jinja hands them over so).
+    "service_stop_issued_epoch": "1796047200.0",     # 2026-11-30T14:00:00Z
+    "service_stop_stopped_epoch": "1796047203.5",
+    "vram_check_waited_s": "0.8",
+    "bench_run_async_launched_epoch": "1796047205.0",
+    "bench_run_async_finished_epoch": "1796047236.2",
+    "bench_fetch_started_epoch": "1796047236.5",
+    "bench_fetch_finished_epoch": "1796047238.5",
+    "service_recover_start_issued_epoch": "1796047239.0",
+    "service_recover_ready_epoch": "1796047600.0",
+}
+PHASES = {"import_s": 5.4, "device_s": 0.6, "weights_s": 0.9, "check_s": 12.3, "timing_s": 11.0,
+          "compile_s": 12.1, "first_result_s": 19.9, "process_s": 30.2}
+
+
+def test_the_downtime_is_itemised_and_the_rest_is_the_playbook_overhead():
+    parts = figures.downtime_parts(ITEMISED, PHASES)
+    assert parts["from"] == "2026-11-30T14:00:00Z" and parts["total_s"] == 400.0
+    seconds = {part["part"]: part["s"] for part in parts["parts"]}
+    assert seconds == {"stop": 3.5, "memory": 0.8, "benchmark": 30.2, "fetch": 2.0, "start": 361.0,
+                       "overhead": pytest.approx(400.0 - 3.5 - 0.8 - 30.2 - 2.0 - 361.0)}
+    assert [part["part"] for part in parts["parts"]] == ["stop", "memory", "benchmark", "fetch", "start", "overhead"]
+    assert [phase["phase"] for phase in parts["benchmark_phases"]] == ["import", "device", "weights", "check", "timing"]
+    assert parts["first_result_s"] == 19.9 and parts["unmeasured"] == []
+    line = figures.downtime_line(parts)
+    assert line.startswith("400.0 s = unit stop 3.5 s + memory check 0.8 s + benchmark process 30.2 s (import 5.4, ")
+    assert line.endswith("start until healthy 361.0 s + playbook overhead 2.5 s")
+    bar, legend = figures.downtime_bar(parts, width=80)
+    assert bar.startswith("|") and bar.endswith("| 400.0 s") and len(bar.split("|")[1]) == 80
+    # Every part shows (at least one cell), the model's load takes most of the bar.
+    assert [bar.count(symbol) > 0 for symbol in "SMBFH."] == [True] * 6 and bar.count("H") > 60
+    assert "H start until healthy" in legend and ". playbook overhead" in legend
+
+
+def test_an_unknown_part_is_counted_as_overhead_and_named_and_no_stop_means_no_itemisation():
+    given = dict(ITEMISED, bench_fetch_started_epoch=None)
+    parts = figures.downtime_parts(given, None)
+    assert parts["unmeasured"] == ["benchmark", "fetch"] and parts["benchmark_phases"] == []
+    assert {part["part"]: part["s"] for part in parts["parts"]}["overhead"] == pytest.approx(400.0 - 3.5 - 0.8 - 361.0)
+    assert "benchmark process not measured" in figures.downtime_line(parts)
+    assert figures.downtime_parts(dict(ITEMISED, service_recover_ready_epoch=None), PHASES) is None
+    assert figures.downtime_parts(dict(ITEMISED, service_stop_issued_epoch="1796047700"), PHASES) is None
+
+
+def test_the_report_shows_the_itemised_downtime(tmp_path, real_document):
+    raw = dict(json.loads(results_fixture().read_text()), schema_version=3, phases=PHASES)
+    summary, run_dir = _build(tmp_path, "20261130T140000Z-d0d0d0", raw, dict(TIMELINE, **ITEMISED))
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    parts = manifest["timeline"]["downtime_parts"]
+    assert parts["total_s"] == 400.0 and parts["overhead_s"] == pytest.approx(2.5)
+    text = (run_dir / "summary.md").read_text()
+    assert "**Downtime, itemised:** 400.0 s = unit stop 3.5 s" in text
+    assert "first timed figure 19.9 s after the benchmark process started" in text
+    assert "## Downtime\n\n```\n|S" in text
+    assert any(line.startswith("Downtime, itemised: 400.0 s") for line in summary["console"])
+    # A run without the sub-second facts (older playbooks) says so instead.
+    summary, run_dir = _build(tmp_path / "old", "20261129T140100Z-a1b2c3", json.loads(results_fixture().read_text()), TIMELINE)
+    assert "**Downtime, itemised:** not available" in (run_dir / "summary.md").read_text()
+
+
+def test_a_fetch_after_the_service_is_back_is_no_part_of_the_downtime():
+    given = dict(ITEMISED, bench_fetch_started_epoch="1796047601.0", bench_fetch_finished_epoch="1796047604.0")
+    parts = figures.downtime_parts(given, PHASES)
+    assert {part["part"]: part["s"] for part in parts["parts"]}["fetch"] == 0.0 and parts["fetch_after_downtime"]
+    assert parts["overhead_s"] == pytest.approx(400.0 - 3.5 - 0.8 - 30.2 - 361.0)
+    assert "fetch 0 s (after the service was back)" in figures.downtime_line(parts)

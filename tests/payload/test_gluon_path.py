@@ -1,0 +1,219 @@
+"""The Gluon warp-specialised Hopper path (moe_bench.gluon_moe): which path runs where, the
+fallback when it fails to compile or fails its check, and what the results say. The selection
+and the fallback run on the CPU with stand-ins for the Gluon launches (its kernels need an sm_90
+GPU); the `gpu` test runs the real kernels."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from moe_bench import cli, gluon_moe, presets, quant
+from moe_bench import triton_moe as tm
+from moe_bench.backends import reference_moe
+
+KIMI = presets.PRESETS["kimi-k2.6"].shape()
+
+
+@pytest.mark.parametrize("capability, expected", [
+    ((12, 0), "sm_120 has no warp-group MMA"),
+    ((8, 9), "sm_89 has no warp-group MMA"),
+    ((10, 0), "sm_100 has no warp-group MMA"),
+    (None, "no CUDA device"),
+])
+def test_only_sm_90_runs_the_gluon_path(capability, expected):
+    assert expected in gluon_moe.path_unavailable_reason(capability, None, env={})
+
+
+def test_sm_90_runs_it_unless_the_api_differs_or_it_is_turned_off():
+    assert gluon_moe.path_unavailable_reason((9, 0), None, env={}) is None
+    assert gluon_moe.path_unavailable_reason((9, 0), "Gluon not importable (x)", env={}) == "Gluon not importable (x)"
+    assert "MOE_BENCH_GLUON=0" in gluon_moe.path_unavailable_reason((9, 0), None, env={"MOE_BENCH_GLUON": "0"})
+    assert "interpreter" in gluon_moe.path_unavailable_reason((9, 0), None, env={"TRITON_INTERPRET": "1"})
+
+
+def test_installed_gluon_api_is_recognised():
+    # .venv-payload's Triton ships Gluon with the API the module is written against (as the GPU
+    # host's 3.6 does); a version whose warp_specialize differs is refused, not crashed on.
+    assert gluon_moe.api_error() is None or "warp_specialize" in gluon_moe.api_error() \
+        or "not importable" in gluon_moe.api_error()
+
+
+@pytest.mark.parametrize("name, tp", [(n, tp) for n in ("kimi-k2.6", "deepseek-v3", "qwen3-235b-a22b", "mixtral-8x7b")
+                                      for tp in (1, 8)])
+def test_every_preset_shape_fits_the_gluon_tiles_or_says_why(name, tp):
+    shape = presets.PRESETS[name].shape(tp)
+    reason = gluon_moe.shape_unavailable_reason(shape)
+    if shape.inter % 128 == 0:
+        assert reason is None
+    else:  # qwen3-235b-a22b --tp 8: inter 192
+        assert "GEMM1's N=192" in reason
+
+
+def test_a_shape_off_the_tiles_is_named():
+    odd = quant.MoEShape(experts=8, hidden=4096 + 32, inter=1024, topk=2, group_size=32)
+    assert "GEMM1's K=4128 is not a multiple of 64" == gluon_moe.shape_unavailable_reason(odd)
+
+
+def test_selection_by_slots_per_expert_and_by_the_switch():
+    assert not gluon_moe.can_run_at(KIMI, 1024)  # 21 slots per expert: block_m 32 pads less
+    assert gluon_moe.can_run_at(KIMI, 1152)  # 24
+    assert gluon_moe.selected(env={"MOE_BENCH_GLUON": "force"})
+    assert gluon_moe.selected(env={}) == gluon_moe.SELECTED_BY_DEFAULT
+
+
+# ---------------------------------------------------------------------------
+# The fallback, on the CPU: stand-ins for the Gluon launches
+# ---------------------------------------------------------------------------
+
+SMALL = quant.MoEShape(experts=4, hidden=128, inter=128, topk=2, group_size=32)
+M = 64  # 32 slots per expert: in the Gluon path's range
+
+
+class _StandIn:
+    """What TritonW4A16MoE asks of gluon_moe.GluonHopperPath: dtypes, bm and forward."""
+
+    dtypes = (torch.float32,)
+    bm = 64
+
+    def __init__(self, moe, mode):
+        self.moe, self.mode, self.calls = moe, mode, 0
+
+    def forward(self, x, ids, wts):
+        self.calls += 1
+        if self.mode == "raise":
+            raise RuntimeError("PassManager::run failed")
+        out = self.moe._forward_triton(x, ids, wts)
+        if self.mode == "wrong":
+            out = out.clone()
+            out[0] += 1.0
+        if self.mode == "nan":
+            out = out.clone()
+            out[-1, -1] = float("nan")
+        return out
+
+
+def _backend(mode, monkeypatch):
+    monkeypatch.setenv("MOE_BENCH_GLUON", "force")
+    weights = quant.random_weights(SMALL, "cpu", seed=3)
+    moe = tm.TritonW4A16MoE(weights, M)
+    assert moe._gluon is None and "interpreter" in moe.gluon_reason  # what the CPU gives by itself
+    moe._gluon = _StandIn(moe, mode)
+    moe.gluon_reason = None
+    gen = torch.Generator().manual_seed(5)
+    x, ids, wts = cli.make_inputs(SMALL, M, torch.float32, torch.device("cpu"), gen)
+    return moe, weights, (x, ids, wts)
+
+
+def test_a_correct_path_runs_after_its_check_and_the_results_say_so(monkeypatch):
+    moe, weights, (x, ids, wts) = _backend("ok", monkeypatch)
+    assert moe.configs_used(M)["path"] == gluon_moe.PATH_NAME
+    out = moe(x, ids, wts)
+    assert moe._gluon is not None and moe._gluon_checked and moe.gluon_error == 0.0
+    assert cli.relative_error(out, reference_moe(weights, x, ids, wts)) < 2e-3
+    used = moe.configs_used(M)
+    assert used["path"] == gluon_moe.PATH_NAME and used["gluon"]["checked"] and "gluon_fallback" not in used
+    moe(x, ids, wts)
+    assert moe._gluon.calls == 2  # checked once, then used
+    # Below its range the plain-Triton rows run and nothing is said about Gluon.
+    assert "gluon_fallback" not in moe.configs_used(8) and moe.configs_used(8)["path"] == "tensor-core"
+
+
+@pytest.mark.parametrize("mode, reason", [
+    ("raise", "compile or launch failed: RuntimeError: PassManager::run failed"),
+    ("wrong", "failed its correctness check at M=64: relative difference"),
+    ("nan", "failed its correctness check at M=64: non-finite or unwritten output"),
+])
+def test_a_failing_path_falls_back_and_the_results_say_why(mode, reason, monkeypatch):
+    moe, weights, (x, ids, wts) = _backend(mode, monkeypatch)
+    out = moe(x, ids, wts)  # never fails the run
+    assert moe._gluon is None and reason in moe.gluon_reason
+    assert cli.relative_error(out, reference_moe(weights, x, ids, wts)) < 2e-3  # the plain-Triton answer
+    used = moe.configs_used(M)
+    assert used["path"] == "tensor-core" and reason in used["gluon_fallback"]
+
+
+def test_not_selected_by_default_and_the_results_say_so(monkeypatch):
+    monkeypatch.delenv("MOE_BENCH_GLUON", raising=False)
+    moe, _, (x, ids, wts) = _backend("ok", monkeypatch)
+    monkeypatch.delenv("MOE_BENCH_GLUON", raising=False)
+    if gluon_moe.SELECTED_BY_DEFAULT:
+        pytest.skip("selected by default")
+    moe(x, ids, wts)
+    assert moe._gluon.calls == 0
+    used = moe.configs_used(M)
+    assert used["path"] == "tensor-core" and used["gluon_fallback"] == gluon_moe.NOT_SELECTED
+
+
+def test_asked_off_by_the_caller():
+    weights = quant.random_weights(SMALL, "cpu", seed=3)
+    assert tm.TritonW4A16MoE(weights, M, gluon=False).gluon_reason == "not asked for (gluon=False)"
+
+
+# ---------------------------------------------------------------------------
+# On an sm_90 GPU: the real kernels
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
+                    or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                    reason="needs an sm_90 GPU and compiled kernels (TRITON_INTERPRET=0)")
+@pytest.mark.parametrize("m", [96, 300])
+def test_gluon_kernels_on_the_gpu(m, monkeypatch):
+    monkeypatch.setenv("MOE_BENCH_GLUON", "force")
+    shape = quant.MoEShape(experts=8, hidden=512, inter=256, topk=2, group_size=32)
+    weights = quant.random_weights(shape, "cuda", seed=1)
+    moe = tm.TritonW4A16MoE(weights, 512)
+    assert moe.gluon_reason is None, moe.gluon_reason
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x, ids, wts = cli.make_inputs(shape, m, torch.bfloat16, torch.device("cuda"), gen)
+    out = cli.poisoned_call(moe, x, ids, wts, shape.hidden)
+    assert moe.gluon_reason is None, moe.gluon_reason  # compiled and passed its check
+    assert moe.configs_used(m)["path"] == gluon_moe.PATH_NAME
+    assert cli.relative_error(out, reference_moe(weights, x, ids, wts)) < 1e-2
+    x2, ids2, wts2 = cli.make_inputs(shape, m, torch.bfloat16, torch.device("cuda"), gen)  # fresh routing
+    assert cli.relative_error(moe(x2, ids2, wts2), reference_moe(weights, x2, ids2, wts2)) < 1e-2
+
+
+def test_the_gather_writes_each_block_in_operand_order():
+    """_gather_kernel (plain Triton, run by the interpreter here): each block's owner and rows,
+    the rows in sorted order with every 64-value K block in _operand_pos's order, padding zero."""
+    shape = quant.MoEShape(experts=4, hidden=256, inter=128, topk=2, group_size=32)
+    weights = quant.random_weights(shape, "cpu", seed=2)
+    moe = tm.TritonW4A16MoE(weights, 64, gluon=False)
+    gen = torch.Generator().manual_seed(9)
+    x, ids, _ = cli.make_inputs(shape, 40, torch.float32, torch.device("cpu"), gen)
+    ids = ids.to(torch.int32)
+    bm = 64
+    moe._group_slots(ids, bm)
+    blocks = -(-tm._padded_rows(shape, 40, bm) // bm)
+    out = torch.full((blocks * bm, shape.hidden), float("nan"))
+    block_expert = torch.full((blocks,), -7, dtype=torch.int32)
+    block_rows = torch.full((blocks,), -7, dtype=torch.int32)
+    gluon_moe._gather_kernel[(blocks, shape.hidden // 128)](
+        x, out, moe._sorted_slot, moe._counts, moe._starts, moe._ends, block_expert, block_rows, shape.experts,
+        shape.hidden, x.stride(0), out.stride(0), TOPK=shape.topk, BLOCK_M=bm, NUM_BINS=moe._num_bins, BK=128)
+    k = torch.arange(shape.hidden)
+    r, i = k % 64, k % 32
+    pos = k - r + (i // 16) * 32 + (r // 32) * 16 + i % 16
+    assert sorted(pos.tolist()) == list(range(shape.hidden))  # a permutation
+    counts = torch.bincount(ids.flatten().long(), minlength=shape.experts)
+    seen = 0
+    for b in range(blocks):
+        rows = int(block_rows[b])
+        if rows == 0:
+            continue
+        e = int(block_expert[b])
+        start = int(moe._starts[e])
+        assert 0 < rows <= bm and (b * bm - start) // bm * bm + rows <= int(counts[e]) + bm
+        slots = moe._sorted_slot[b * bm: b * bm + rows].long()
+        assert (ids.flatten()[slots] == e).all()
+        expected = torch.empty(rows, shape.hidden)
+        expected[:, pos] = x[slots // shape.topk]
+        assert torch.equal(out[b * bm: b * bm + rows], expected)
+        assert (out[b * bm + rows: (b + 1) * bm] == 0).all()  # padding rows zero, never stale
+        seen += rows
+    assert seen == ids.numel()

@@ -1,0 +1,114 @@
+"""The Gluon warp-specialised path against the plain-Triton tensor-core path, side by side in
+one process on the same weights (issue 17, item 1): per M, each checked against the float32
+reference on fresh poisoned inputs (tools/graph_timing.check_m), then timed the independent
+way (graph_timing.graph_time_us: one CUDA graph of 8 forwards over 8 routings), the two
+alternating for --rounds rounds.
+
+  PYTHONPATH=files:tools python3 tools/path_compare.py --preset kimi-k2.6 --m-list 1024,2048,4096,8192 [--all-m]
+
+--all-m: the Gluon path at every M given, also below the slots per expert it is shipped for
+(gluon_moe.MIN_SLOTS_PER_EXPERT), to see where it starts to win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import triton
+
+from moe_bench import cli, gluon_moe, perfmodel, presets, quant
+from moe_bench import triton_moe as tm
+
+import graph_timing as gt
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="kimi-k2.6", choices=sorted(presets.PRESETS))
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--m-list", default="1024,2048,4096,8192")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--budget-s", type=float, default=0.5)
+    parser.add_argument("--all-m", action="store_true")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--stop-on-fallback", action="store_true")
+    parser.add_argument("--stages", action="store_true", help="also time the Gluon forward's stages")
+    parser.add_argument("--tiles", default="", help="JSON for gluon_moe.GLUON_TILES (tuning)")
+    args = parser.parse_args(argv)
+    os.environ["MOE_BENCH_GLUON"] = "force"  # the Gluon path wherever it can run
+    device = torch.device("cuda:0")
+    m_list = sorted({int(v) for v in args.m_list.split(",")})
+    shape = presets.PRESETS[args.preset].shape(args.tp)
+    if args.tiles:
+        gluon_moe.GLUON_TILES = json.loads(args.tiles)
+    if args.all_m:
+        gluon_moe.MIN_SLOTS_PER_EXPERT = 0.0
+    weights = quant.random_weights(shape, device, seed=0)
+    max_m = max(m_list)
+    paths = {"gluon": tm.TritonW4A16MoE(weights, max_m), "triton": tm.TritonW4A16MoE(weights, max_m, gluon=False)}
+    report = dict(tool="tools/path_compare.py", argv=sys.argv[1:], shape=shape.__dict__, driver=gt.driver_version(),
+                  triton=tm.triton.__version__, torch=torch.__version__, device=torch.cuda.get_device_name(device),
+                  started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  gluon_reason=paths["gluon"].gluon_reason, rows=[])
+    print(f"{args.preset} tp{args.tp} {shape} {report['device']} driver {report['driver']} triton {report['triton']}; "
+          f"Gluon path: {'available' if paths['gluon'].gluon_reason is None else paths['gluon'].gluon_reason}", flush=True)
+    lines = []
+    for m in m_list:
+        row = dict(m=m)
+        for name, moe in paths.items():
+            err = gt.check_m(moe, weights, shape, m, device, 0)
+            row[f"{name}_rel_err"] = err
+            row[f"{name}_path"] = gt.path_of(moe.configs_used(m))
+        ok = all(row[f"{n}_rel_err"] is not None and row[f"{n}_rel_err"] <= cli.RELATIVE_ERROR_BOUND["bfloat16"]
+                 for n in paths)
+        if ok:
+            times = {n: [] for n in paths}
+            for _ in range(args.rounds):
+                for name, moe in paths.items():
+                    times[name].append(gt.graph_time_us(moe, shape, m, device, 0, 200, args.budget_s)["us"])
+            floor = perfmodel.floor_us(shape, m, gt.FIELD_NOTES_BANDWIDTH_GBPS, gt.FIELD_NOTES_TFLOPS)
+            for name in paths:
+                row[f"{name}_us"] = statistics.median(times[name])
+                row[f"{name}_rounds_us"] = times[name]
+                row[f"{name}_pct_floor"] = 100 * floor / row[f"{name}_us"]
+        if ok and args.stages and paths["gluon"]._gluon is not None:
+            # The Gluon forward's stages, timed cumulatively (each run reads what the one before left).
+            gen = torch.Generator(device=device).manual_seed(m)
+            x, ids, wts = cli.make_inputs(shape, m, torch.bfloat16, device, gen)
+            path = paths["gluon"]._gluon
+            cumulative = {}
+            for label, stages in (("route", ("route",)), ("+g1", ("route", "g1")), ("+g2", ("route", "g1", "g2")),
+                                  ("+sum", ("route", "g1", "g2", "sum"))):
+                cumulative[label] = 1e3 * triton.testing.do_bench(lambda: path.forward(x, ids, wts, stages),
+                                                                  warmup=20, rep=200, return_mode="median")
+            row["gluon_stages_cumulative_us"] = cumulative
+            print(f"{m:6d} Gluon stages, cumulative us (do_bench median, one routing): "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in cumulative.items()), flush=True)
+        row["gluon_config"] = paths["gluon"].configs_used(m)
+        if paths["gluon"].gluon_reason is not None and args.stop_on_fallback:
+            print(f"M={m}: the Gluon path fell back: {paths['gluon'].gluon_reason}", flush=True)
+            report["rows"].append(row)
+            break
+        report["rows"].append(row)
+        line = (f"{m:6d} gluon {row.get('gluon_us', float('nan')):9.1f} us {row.get('gluon_pct_floor', float('nan')):5.1f}% "
+                f"err {row['gluon_rel_err'] if row['gluon_rel_err'] is not None else float('nan'):.1e} | triton "
+                f"{row.get('triton_us', float('nan')):9.1f} us {row.get('triton_pct_floor', float('nan')):5.1f}% err "
+                f"{row['triton_rel_err'] if row['triton_rel_err'] is not None else float('nan'):.1e} | {row['gluon_path']}")
+        lines.append(line)
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(report, fh, indent=1, default=str)
+    print("gluon reason at end:", paths["gluon"].gluon_reason, "check error", paths["gluon"].gluon_error)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
