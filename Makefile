@@ -55,7 +55,7 @@ unit: venv
 	$(VENV)/bin/pytest -q tests/unit --junitxml=.cache/junit-unit.xml
 
 payload-test: venv
-	.venv-payload/bin/pytest -q -m "not full_compile_check" tests/payload --junitxml=.cache/junit-payload.xml
+	.venv-payload/bin/pytest -q -m "not full_compile_check and not gpu" tests/payload --junitxml=.cache/junit-payload.xml
 
 ## compile-check: every preset's kernel configurations compiled for sm_80/89/90/100/120, checked to fit (a few minutes; payload-test runs a one-minute subset)
 compile-check: venv

@@ -1,9 +1,11 @@
 """A fleet in one command: four simulated hosts side by side, two real playbook runs.
 
-Run 1, the fleet preflight refuses one bad host (a GPU index it lacks): nothing is stopped on any
-host, one table says which host and why.
+Run 1, the fleet preflight refuses two bad hosts (a GPU index it lacks, a pre-stop hook file that
+does not exist): nothing is stopped on any host, one table says which host and why.
 Run 2, the rollout one host at a time:
-  A (two GPUs, moe_bench_gpus [0, 1])  -> ok: one payload per GPU, per-GPU results and report
+  A (two GPUs, moe_bench_gpus [0, 1])  -> ok: one payload per GPU, per-GPU results and report; its
+                                          pre-stop hook ran with the unit still up, its post-recover
+                                          hook once it was back
   B (pool east, minimum 1 healthy)     -> skipped by the capacity guard: its pool peer D is unhealthy
   C (its unit fails to start again)    -> DOWN, reported; the rollout stops
   D (pool east, health 503)            -> not started: never touched
@@ -82,7 +84,9 @@ def test_fleet_preflight_refusal_then_rollout_with_guard_stop_and_report(simhost
                  "c": {"moe_bench_gpus": [0]},
                  "d": {"moe_bench_gpus": [0, 1], "moe_bench_pool": "east", "moe_bench_pool_min_healthy": 1}}
 
-    # --- run 1: D asks for a GPU it lacks: refused in the preflight, nothing stopped anywhere
+    # --- run 1: D asks for a GPU it lacks, B names a hook file that does not exist: refused in the
+    # preflight, nothing stopped anywhere
+    host_vars["b"]["moe_bench_pre_stop_tasks"] = "/nonexistent/drain.yml"
     since = min(host.epoch() for host in hosts.values())
     refused = _fleet_run(hosts, host_vars, tmp_path, results_dir)
     assert refused.rc != 0, refused.describe()
@@ -93,12 +97,27 @@ def test_fleet_preflight_refusal_then_rollout_with_guard_stop_and_report(simhost
              and (" ok " in line or " refused " in line)]
     assert any(hosts["a"].name in line and " ok " in line for line in table), refused.describe()
     assert any(hosts["d"].name in line and " refused " in line for line in table), refused.describe()
+    assert any(hosts["b"].name in line and " refused " in line for line in table), refused.describe()
+    assert "moe_bench_pre_stop_tasks = /nonexistent/drain.yml: no such file on the controller" in refused.stdout
     for host in hosts.values():
         _untouched(host, since)
     assert "Record the service's state and stop it" not in refused.stdout
 
-    # --- run 2: the rollout
+    # --- run 2: the rollout; A and C carry hooks that record the unit's state on the host
     host_vars["d"]["moe_bench_gpus"] = [0]
+    del host_vars["b"]["moe_bench_pre_stop_tasks"]
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    for hook, marker in (("pre.yml", "hook-pre-stop"), ("post.yml", "hook-post-recover")):
+        (hooks / hook).write_text(
+            "- name: Record the unit's state and the run (test hook)\n"
+            "  ansible.builtin.shell: >-\n"
+            "    { systemctl is-active fake-inference.service; echo {{ moe_bench_plan.run_id }}; }\n"
+            "    > /root/%s.txt\n"
+            "  changed_when: true\n" % marker)
+    for key in "ac":
+        host_vars[key].update(moe_bench_pre_stop_tasks=str(hooks / "pre.yml"),
+                              moe_bench_post_recover_tasks=str(hooks / "post.yml"))
     hosts["d"].set_switches(restart=True, FAKE_NEVER_READY="1")      # D serves no requests: B's pool is short
     hosts["c"].set_switches(restart=False, FAKE_FAIL_ON_START="1")   # C's unit will not start again
     since = min(host.epoch() for host in hosts.values())
@@ -129,6 +148,9 @@ def test_fleet_preflight_refusal_then_rollout_with_guard_stop_and_report(simhost
     assert "## Every GPU of the host" in (fetched / "summary.md").read_text()
     job = json.loads(a.read_file("%s/runs/%s/job.json" % (STATE_DIR, a_run)))
     assert job["gpus"] in ([0, 1], "[0, 1]")
+    # The hooks: the drain ran before the stop (the unit still active), the return once it was back
+    assert a.read_file("/root/hook-pre-stop.txt").split() == ["active", a_run]
+    assert a.read_file("/root/hook-post-recover.txt").split() == ["active", a_run]
 
     # B: skipped by the capacity guard, never stopped
     assert "%s is skipped: capacity guard: pool east needs 1 healthy host(s)" % hosts["b"].name in out, run.describe()
@@ -139,6 +161,9 @@ def test_fleet_preflight_refusal_then_rollout_with_guard_stop_and_report(simhost
     assert c.stop_count(since) == 1
     assert "did NOT come back" in out, run.describe()
     assert c.unit_active() != "active"
+    # Its drain hook ran; its return hook did not (the service is not back)
+    assert c.read_file("/root/hook-pre-stop.txt").split()[0] == "active"
+    assert c.exec("test -e /root/hook-post-recover.txt", check=False).returncode != 0
     assert "The rollout stopped before this batch" in out
 
     # D: never touched
