@@ -29,7 +29,10 @@ def test_slow_stop_and_every_budget_at_its_limit_never_fire_the_timer(simhost, s
     budgets = {"moe_bench_m_list": LONG_M_LIST, "moe_bench_stop_timeout_s": 2, "moe_bench_stop_margin_s": 5,
                "moe_bench_vram_timeout_s": 2, "moe_bench_bench_budget_s": 25, "moe_bench_async_margin_s": 0,
                "moe_bench_bench_poll_s": 1, "moe_bench_load_budget_s": 10, "moe_bench_health_poll_s": 1,
-               "moe_bench_deadman_margin_s": 0}
+               "moe_bench_deadman_margin_s": 0,
+               # A layer wide enough that its largest M alone outlasts the 25 s budget (the payload
+               # fits its repetitions into the time it has, so a longer M list is not enough).
+               "moe_bench_extra_args": ["--hidden", "8192", "--inter", "1024"]}
     since = simhost.epoch()
     run = start_playbook(simhost, budgets)
     # While the benchmark runs the unit must stay down: sample it for the whole benchmark.
