@@ -230,7 +230,7 @@ with open(os.path.join(out, host + ".json"), "w") as handle:
 if host == "ct201.example":
     sys.exit(3)
 if host == "ct202.example":
-    time.sleep(30)
+    time.sleep(8)
 '''
 
 
