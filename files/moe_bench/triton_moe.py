@@ -70,7 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import quant, sass
+from . import perfmodel, quant, sass
 
 # ---------------------------------------------------------------------------
 # Kernels
@@ -841,7 +841,10 @@ def _gemv_kernel(
 # bn output columns per program, GEMM1's gate and up each; bkw 32-bit words of packed weights
 # per column and step, a multiple of 4: whole 32-value chunks; warps; sort (GEMM1's entry
 # decides for both): the programs take the slots grouped by expert, worth its two extra
-# launches once slots start to share experts).
+# launches once slots start to share experts; fx (GEMM1): x's rows read as they are, no
+# word-order launch; fsum (GEMM2): a program per token's columns over its top-k slots, no top-k
+# sum launch, bn in runs of 16. Both lost at kimi-k2.6 M=1-32 (PERFORMANCE.md round 17: the
+# scattered activation loads and the serial slots cost more than the launches): no row uses them.
 # The rows' tiles were chosen on one H200 at the kimi-k2.6 shape with `tools/kernel_sweep.py
 # --variants` (every candidate checked against the float32 reference, then each GEMM timed
 # alone); which row runs at which M is decided by slots per expert (see "Tiles by shape and
@@ -969,8 +972,9 @@ def _fit(gemm: dict, k: int, n: int, group: int) -> dict:
 # follows from its slots per expert, M * topk / experts (SLOTS_PER_EXPERT_ROWS); presets ship
 # their measured tables (PRESET_TABLES), any other shape takes the rule
 # (table_by_slots_per_expert). Then the device, read at run time (device_limits), adjusts a
-# row (fit_to_device): the one-row kernels' GEMM1 takes bn 32 instead of 64 when bn 64 would
-# give fewer than four programs per SM, and a tensor-core row's stages drop until its
+# row (fit_to_device): GEMM1 (the one-row kernels' and, on layers of few column tiles and slots
+# per expert, the block_m 16 one) takes bn 32 instead of 64 when bn 64 would give fewer than four
+# programs per SM, and a tensor-core row's stages drop until its
 # pipelined tiles fit the device's shared memory (an sm_120 or sm_89 block gets 99 KB, an
 # H100/H200 227 KB).
 
@@ -1023,6 +1027,22 @@ def fit_to_device(cfg: dict, limits: DeviceLimits | None, shape: quant.MoEShape,
             g1 = dict(g1, bn=g1["bn"] // 2)
         cfg["g1"] = g1
         return cfg
+    # GEMM1's programs on a block_m 16 row are blocks (about one per expert touched) times inter /
+    # bn column tiles. Where a layer has few column tiles (inter / 64 <= 8: the --tp 8 shards) and
+    # few slots per expert (<= 0.5), bn 64 can leave fewer than four programs per SM (kimi-k2.6
+    # --tp 8 M=16: about 460): bn 32 doubles them. Measured (PERFORMANCE.md round 17): kimi-k2.6
+    # --tp 8 M=16 154 against 163 us, deepseek-v3 --tp 8 M=4 / 16 61 / 149 against 65 / 152,
+    # qwen3-235b-a22b --tp 8 M=2-8 10-15% faster; no measured M lost more than 1%. With more
+    # column tiles or more slots per expert bn 32 lost (qwen3-235b-a22b M=2, --tp 8 M=16-128;
+    # mixtral-8x7b --tp 8 M=16-32: 3-14% slower), so those keep bn 64.
+    slots_per_expert = m * shape.topk / shape.experts
+    if cfg["block_m"] == 16 and shape.inter // 64 <= 8 and slots_per_expert <= 0.5:
+        blocks = perfmodel.expected_distinct_experts(shape, m)
+        g1 = cfg["g1"]
+        while g1["bn"] > 32 and blocks * (shape.inter // g1["bn"]) < 4 * limits.sm_count \
+                and shape.inter % (g1["bn"] // 2) == 0:
+            g1 = dict(g1, bn=g1["bn"] // 2)
+        cfg["g1"] = g1
     for which, gate_up in (("g1", True), ("g2", False)):
         g = cfg[which]
         while g["stages"] > 2 and g["stages"] * _stage_bytes(cfg["block_m"], g, gate_up) > limits.smem_per_block:
