@@ -699,9 +699,9 @@ def _raw_word_dot(w, x_ptrs, CONVERT_ASM: tl.constexpr):
 
 
 @triton.jit
-def _gemv_acc(acc, a_row, w_base, s_base, cols, K, stride_wt, stride_sg, scale,
+def _gemv_acc(acc, a_row, w_base, s_base, cols, K, stride_wt, stride_sg,
               GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, RAW_A: tl.constexpr, CONVERT_ASM: tl.constexpr):
-    """acc ([C, BLOCK_KW // 4] float32) plus scale times the columns cols of one expert's
+    """acc ([C, BLOCK_KW // 4] float32) plus the columns cols of one expert's
     packed weights (w_base, s_base: that expert's words and scales) dotted with one activation
     row over all of K: a_row points at the row in the operand order of _store_word_order, or,
     with RAW_A, at the row itself (_raw_word_dot)."""
@@ -730,7 +730,7 @@ def _gemv_acc(acc, a_row, w_base, s_base, cols, K, stride_wt, stride_sg, scale,
         chunk_sum = tl.sum(tl.reshape(p, (cols.shape[0], CHUNKS, 4)), axis=2)
         g = (kw * 8 + offs_ch * 32) // GROUP
         s = tl.load(s_ptrs + g[None, :] * stride_sg).to(tl.float32)
-        acc += (s * scale) * chunk_sum
+        acc += s * chunk_sum
     return acc
 
 
@@ -783,14 +783,15 @@ def _gemv_kernel(
     if SUM_TOPK:
         token = (pid // num_n).to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k in range(TOPK):
             slot = token * TOPK + k
             expert = tl.load(topk_ids_ptr + slot).to(tl.int64)
-            acc = _gemv_acc(acc, a_ptr + slot * stride_am, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
-                            cols, K, stride_wt, stride_sg, tl.load(topk_weights_ptr + slot), GROUP, BLOCK_KW,
-                            False, CONVERT_ASM)
-        tl.store(out_ptr + token * stride_om + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty))
+            acc = _gemv_acc(tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32), a_ptr + slot * stride_am,
+                            w_ptr + expert * stride_we, s_ptr + expert * stride_se, cols, K, stride_wt, stride_sg,
+                            GROUP, BLOCK_KW, False, CONVERT_ASM)
+            total += tl.sum(acc, axis=1) * tl.load(topk_weights_ptr + slot)
+        tl.store(out_ptr + token * stride_om + cols, total.to(out_ptr.dtype.element_ty))
         return
     if BY_EXPERT:
         slot = tl.load(order_ptr + pid // num_n)
@@ -806,7 +807,7 @@ def _gemv_kernel(
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((cols.shape[0], CHUNKS), dtype=tl.float32)
     acc = _gemv_acc(acc, a_ptr + row * stride_am, w_ptr + expert * stride_we, s_ptr + expert * stride_se, cols, K,
-                    stride_wt, stride_sg, 1.0, GROUP, BLOCK_KW, RAW_A, CONVERT_ASM)
+                    stride_wt, stride_sg, GROUP, BLOCK_KW, RAW_A, CONVERT_ASM)
     res = tl.sum(acc, axis=1)
     if GATE_UP:
         gate, up = tl.split(tl.trans(tl.reshape(res, (2, BLOCK_N))))
