@@ -168,7 +168,7 @@ def run_playbook(tmp_path, playbook_text, extra_path=None, extra=(), env_overrid
 
 
 FAKE_SYSTEMCTL = r'''#!{python}
-"""Fake systemctl/journalctl: answers `show` and `journalctl -u` from a JSON file."""
+"""Fake systemctl/journalctl/systemd-run: answers `show` and `journalctl -u` from a JSON file."""
 import json, os, sys
 config = json.load(open({config!r}))
 with open(config["calls"], "a") as calls:
@@ -183,7 +183,9 @@ if os.path.basename(sys.argv[0]) == "journalctl":
     count = int(args[args.index("-n") + 1])
     sys.stdout.write("".join(line + "\n" for line in lines[-count:]))
     sys.exit(0)
-assert args[0] == "show", args
+if os.path.basename(sys.argv[0]) == "systemd-run" or args[0] != "show":
+    # stop, reset-failed, systemd-run ...: recorded above, answered with the configured rc.
+    sys.exit(config.get("rc", {}).get(os.path.basename(sys.argv[0]) if args[0].startswith("--") else args[0], 0))
 properties = next(arg for arg in args if arg.startswith("--property=")).split("=", 1)[1].split(",")
 blocks = []
 for unit in [arg for arg in args[1:] if not arg.startswith("--")]:
@@ -197,7 +199,7 @@ sys.stdout.write("\n".join(blocks))
 
 
 class FakeSystemd(object):
-    """Fake `systemctl show` and `journalctl -u` in a directory to put first on PATH."""
+    """Fake `systemctl` (show answered, other verbs recorded), `journalctl -u` and `systemd-run` in a directory to put first on PATH."""
 
     def __init__(self, directory, units=None, journal=None, fail=None):
         self.directory = pathlib.Path(directory)
@@ -208,10 +210,12 @@ class FakeSystemd(object):
         script = FAKE_SYSTEMCTL.replace("{python}", sys.executable).replace("{config!r}", repr(str(self.config_path)))
         write_executable(self.directory / "systemctl", script)
         write_executable(self.directory / "journalctl", script)
+        write_executable(self.directory / "systemd-run", script)
 
-    def set(self, units, journal=None, fail=None):
+    def set(self, units, journal=None, fail=None, rc=None):
+        """rc: exit codes of other commands, e.g. {"systemd-run": 1, "stop": 5} (default 0)."""
         self.config_path.write_text(json.dumps({
-            "units": units, "journal": journal or {}, "fail": fail, "calls": str(self.calls_path)}))
+            "units": units, "journal": journal or {}, "fail": fail, "rc": rc or {}, "calls": str(self.calls_path)}))
 
     def calls(self):
         if not self.calls_path.exists():
