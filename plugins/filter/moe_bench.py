@@ -123,6 +123,30 @@ def moe_bench_run_id(now_epoch=None, suffix=None):
     return datetime.fromtimestamp(epoch, tz=timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + suffix
 
 
+STOP_MODES = ("always", "auto", "never")
+REHEARSE_WORDS = {"true": "true", "yes": "true", "on": "true", "1": "true",
+                  "false": "false", "no": "false", "off": "false", "0": "false", "required": "required"}
+
+
+def moe_bench_rehearse_mode(value):
+    """moe_bench_rehearse as 'true', 'false' or 'required', from a bool or a string (AWX sends
+    strings; YAML's true arrives as a bool)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = "" if value is None else str(value).strip().lower()
+    if text not in REHEARSE_WORDS:
+        raise AnsibleFilterError("moe_bench_rehearse must be true, false or required, got %r" % (value,))
+    return REHEARSE_WORDS[text]
+
+
+def moe_bench_stop_mode(value):
+    """moe_bench_stop as 'always', 'auto' or 'never'."""
+    text = "" if value is None else str(value).strip().lower()
+    if text not in STOP_MODES:
+        raise AnsibleFilterError("moe_bench_stop must be always, auto or never, got %r" % (value,))
+    return text
+
+
 def moe_bench_plan(settings, now_epoch=None):
     """Every timeout of a run, from its budgets (see DOCUMENTATION)."""
     if not isinstance(settings, dict):
@@ -176,6 +200,16 @@ def moe_bench_plan(settings, now_epoch=None):
     # The dead-man switch must never fire inside a legitimate run: the settle period after the
     # first healthy answer still belongs to the run.
     deadman_delay_s = int(math.ceil(planned_downtime_s + value["settle_s"] + value["deadman_margin_s"]))
+    # Whether the unit is stopped at all: never runs only the rehearsal beside the live service,
+    # so it plans no downtime and arms no dead-man switch; auto may stop (the deadline above is
+    # the one armed then) or run beside the service (decided once the memory beside it is read).
+    stop_mode = moe_bench_stop_mode(settings.get("stop_mode", "always"))
+    rehearse = moe_bench_rehearse_mode(settings.get("rehearse", "true"))
+    if stop_mode == "never" and rehearse == "false":
+        raise AnsibleFilterError("moe_bench_stop never runs only the rehearsal beside the service, "
+                                 "so moe_bench_rehearse cannot be false")
+    if stop_mode == "never":
+        planned_downtime_s = 0
     plan = dict(value)
     plan.update({
         "run_id": moe_bench_run_id(epoch),
@@ -194,6 +228,11 @@ def moe_bench_plan(settings, now_epoch=None):
         "planned_downtime_s": planned_downtime_s,
         "deadman_delay_s": deadman_delay_s,
         "lock_ttl_s": int(math.ceil(deadman_delay_s + value["lock_ttl_margin_s"])),
+        "stop_mode": stop_mode,
+        "rehearse": rehearse,
+        "deadman_needed": stop_mode != "never",
+        # The rehearsal is one reduced run of the payload: the benchmark budget bounds it.
+        "rehearse_timeout_s": int(math.ceil(value["bench_budget_s"])),
     })
     return plan
 
@@ -347,4 +386,6 @@ class FilterModule(object):
             "moe_bench_timespan_s": moe_bench_timespan_s,
             "moe_bench_inputs": moe_bench_inputs,
             "moe_bench_serial": moe_bench_serial,
+            "moe_bench_rehearse_mode": moe_bench_rehearse_mode,
+            "moe_bench_stop_mode": moe_bench_stop_mode,
         }
