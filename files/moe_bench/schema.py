@@ -41,7 +41,7 @@ SCHEMA_NAME = "moe_bench.results"
 SCHEMA_VERSION = 4
 
 STATUSES = ("running", "complete", "failed")
-ERROR_KINDS = ("environment", "correctness", "runtime")
+ERROR_KINDS = ("environment", "correctness", "runtime", "no-room")  # no-room: --rehearse only
 
 # Columns of one timed M, in the order the CSV shows them.
 RESULT_FIELDS = (
