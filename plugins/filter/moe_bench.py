@@ -147,6 +147,40 @@ def moe_bench_stop_mode(value):
     return text
 
 
+def moe_bench_stop_decision(mode, gpus, chosen, need_mib, reattach=False):
+    """Whether this run stops the unit (moe_bench_stop), and why, from the memory read beside the
+    serving unit: {"mode", "stop", "beside", "why", "need_mib", "gpus_beside"}. always stops;
+    never runs only the rehearsal (no stop, no full run); auto runs the full benchmark beside the
+    unit when every chosen GPU has need_mib free (the estimate plus the margin), and falls back to
+    stopping when one is short or unread. A re-attached run stopped the unit already."""
+    mode = moe_bench_stop_mode(mode)
+    need = int(_number("need_mib", need_mib))
+    chosen = [int(index) for index in chosen or []]
+    seen = [gpu for gpu in gpus or [] if int(gpu.get("index", -1)) in chosen]
+    free = ", ".join("GPU %s %s MiB free" % (gpu["index"], gpu.get("free_mib")) for gpu in seen)
+    short = [gpu for gpu in seen if float(gpu.get("free_mib") or 0) < need]
+    decision = {"mode": mode, "need_mib": need, "gpus_beside": seen if mode == "auto" else []}
+    if reattach:
+        decision.update(stop=True, beside=False, why="re-attached to an unfinished run that stopped the unit")
+    elif mode == "never":
+        decision.update(stop=False, beside=False,
+                        why="moe_bench_stop is never: only the rehearsal ran (a reduced run beside the live service), "
+                            "the unit was not stopped")
+    elif mode == "always":
+        decision.update(stop=True, beside=False, why="moe_bench_stop is always")
+    elif len(seen) == len(chosen) and chosen and not short:
+        decision.update(stop=False, beside=True,
+                        why="moe_bench_stop is auto and the run fits beside the serving unit (%s; it needs %d MiB: "
+                            "the estimate plus moe_bench_vram_margin_mib), so the unit was not stopped" % (free, need))
+    else:
+        missing = sorted(set(chosen) - set(int(gpu["index"]) for gpu in seen))
+        decision.update(stop=True, beside=False,
+                        why="moe_bench_stop is auto but the run does not fit beside the serving unit (%s; it needs %d "
+                            "MiB: the estimate plus moe_bench_vram_margin_mib): falling back to stopping it"
+                            % (free + ("; GPU %s unread" % ",".join(map(str, missing)) if missing else ""), need))
+    return decision
+
+
 def moe_bench_plan(settings, now_epoch=None):
     """Every timeout of a run, from its budgets (see DOCUMENTATION)."""
     if not isinstance(settings, dict):
@@ -388,4 +422,5 @@ class FilterModule(object):
             "moe_bench_serial": moe_bench_serial,
             "moe_bench_rehearse_mode": moe_bench_rehearse_mode,
             "moe_bench_stop_mode": moe_bench_stop_mode,
+            "moe_bench_stop_decision": moe_bench_stop_decision,
         }
