@@ -17,9 +17,21 @@ demo: venv host-up
 	$(ANSIBLE_PLAYBOOK) -i inventory/demo playbooks/moe_bench.yml
 
 ## test: the whole suite (lint, unit, payload, Molecule, integration), then one summary line
-test: venv host-image ee-image controller-user
-	@mkdir -p .cache && rm -rf .cache/junit-*.xml .cache/molecule-recap.txt .cache/lint.txt && touch .cache/test-run-started
-	@status=0; for target in lint unit payload-test molecule integration; do \
+# The two images (simulated host, execution environment) are built beside lint, unit and payload
+# tests, which need neither: their builds wait on downloads and the disk, the tests on the CPU.
+# Molecule and the integration tests start once both images are there.
+test: venv engine controller-user
+	@mkdir -p .cache && rm -rf .cache/junit-*.xml .cache/molecule-recap.txt .cache/lint.txt .cache/images.* && touch .cache/test-run-started
+	@status=0; \
+	( started=$$(date +%s); $(MAKE) --no-print-directory host-image ee-image > .cache/images.log 2>&1; \
+	  echo "$$? $$(( $$(date +%s) - started ))" > .cache/images.rc ) & images=$$!; \
+	for target in lint unit payload-test; do \
+		$(MAKE) --no-print-directory $$target || status=1; \
+	done; \
+	wait $$images; read -r images_rc images_s < .cache/images.rc; \
+	if [ "$$images_rc" = 0 ]; then echo "make test: images ready ($$images_s s, built beside the tests; log .cache/images.log)"; \
+	else tail -n 60 .cache/images.log; echo "make test: building the images failed after $$images_s s (log above, whole in .cache/images.log)"; status=1; fi; \
+	for target in molecule integration; do \
 		$(MAKE) --no-print-directory $$target || status=1; \
 	done; \
 	$(VENV)/bin/python scripts/test-summary || status=1; \
