@@ -654,8 +654,9 @@ def run_benchmark(settings: Settings) -> int:
         log(f"weights: {weights.nbytes() / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s")
         phase = f"preparing backend {settings.args.backend}"
         try:
-            backend = create_backend(settings.args.backend, weights, settings.max_m, dtype,
-                                     layer=settings.layer if settings.layer != settings.shape else None)
+            # A rehearsal's backend compiles its layer's kernels (fewer experts held).
+            layer = {"layer": settings.layer} if settings.layer != settings.shape else {}
+            backend = create_backend(settings.args.backend, weights, settings.max_m, dtype, **layer)
         except BackendUnavailable as error:
             raise EnvironmentFailure(str(error)) from None
         except ValueError as error:
