@@ -396,11 +396,15 @@ def choose_rehearsal_experts(settings: Settings, device) -> None:
 REHEARSAL_FREE_SHARE_TEXT = f"{int(perfmodel.REHEARSAL_FREE_SHARE * 100)}%"
 
 
+def _rehearsing(settings) -> bool:
+    return bool(getattr(settings.args, "rehearse", False))
+
+
 def check_ms(settings: Settings, backend) -> list[int]:
     """The M values the correctness check runs: a rehearsal checks every M of the list (each
     compiles its own kernels) and the check's odd M; a run the configurations' ends."""
     chosen = correctness_ms(backend, settings.m_list)
-    if settings.args.rehearse:
+    if _rehearsing(settings):
         chosen = sorted(set(chosen) | set(settings.m_list))
     return chosen
 
@@ -505,7 +509,7 @@ def check_correctness(settings: Settings, backend, weights, dtype, device, write
             raise CorrectnessFailure(f"backend {backend.name} returned shape {tuple(out.shape)} for M={m}, "
                                      f"expected {(m, shape.hidden)}")
         ref = (chunked_reference(weights, x, topk_ids, topk_weights, perfmodel.REHEARSAL_REFERENCE_ROWS)
-               if settings.args.rehearse else reference_moe(weights, x, topk_ids, topk_weights))
+               if _rehearsing(settings) else reference_moe(weights, x, topk_ids, topk_weights))
         error = relative_error(out, ref)
         worst = worst_row_error(out, ref)
         # The whole output's error never exceeds its worst row's: the row bound decides.
@@ -522,7 +526,7 @@ def check_correctness(settings: Settings, backend, weights, dtype, device, write
                 f"backend {backend.name} is wrong at M={m} (tile config {json.dumps(config, sort_keys=True)}): "
                 f"{shown} against the float32 reference, bound {bound:.0e} per row; no timing was done"
                 + (f" (rehearsal with {shape.experts} of the layer's {settings.layer.experts} experts)"
-                   if settings.args.rehearse else "")
+                   if _rehearsing(settings) else "")
             )
         del out, ref, x, topk_ids, topk_weights
         _release_cached(settings, device)
@@ -555,7 +559,7 @@ def _synchronize(device) -> None:
 def _release_cached(settings: Settings, device) -> None:
     """A rehearsal beside the live service hands the allocator's cached blocks back after each
     step, so it holds at most one step's memory (a run's caching costs nothing: the GPU is its own)."""
-    if settings.args.rehearse and device.type == "cuda":
+    if _rehearsing(settings) and device.type == "cuda":
         import torch
 
         torch.cuda.empty_cache()
