@@ -1,6 +1,6 @@
 """No downtime when it is not needed: the rehearsal beside the live service (torch backend here:
 fewer experts than the layer, every M checked and timed) with moe_bench_stop never (the reduced
-run only) and auto (the full run beside the unit, which fits on the simulated GPU's free memory).
+run only), then auto (the full run beside the unit, which fits on the simulated GPU's free memory).
 Each run: the unit never stopped (same MainPID, no stop in its journal), no dead-man timer, no
 lock, and results marked as what they are."""
 
@@ -43,8 +43,8 @@ def test_never_and_auto_run_beside_the_live_service(simhost, run_playbook, resul
     assert "**Rehearsal (REDUCED, zero downtime):** 8 of the layer's 16 experts" in (never_dir / "summary.md").read_text()
 
     # auto: the simulated GPU has about 13 GB free beside the unit, the tiny run needs far less:
-    # the full run goes beside it (and its rehearsal before it).
-    run = run_playbook(simhost, {"moe_bench_stop": "auto", "moe_bench_rehearse": "true"})
+    # the full run goes beside it (the rehearsal, proven above, is left out to keep the test short).
+    run = run_playbook(simhost, {"moe_bench_stop": "auto", "moe_bench_rehearse": "false"})
     assert run.rc == 0, run.describe()
     print("auto run: %.1f s" % run.wall_s)
     text = " ".join(run.stdout.split())
@@ -53,7 +53,7 @@ def test_never_and_auto_run_beside_the_live_service(simhost, run_playbook, resul
     auto_dir = [d for d in fetched_run_dirs(results_dir, simhost) if d != never_dir][0]
     results = json.loads((auto_dir / "results.json").read_text())
     assert results["status"] == "complete" and results["config"]["experts"] == 16 and results["rehearsal"] is None
-    assert json.loads((auto_dir / "rehearsal.json").read_text())["status"] == "complete"
+    assert not (auto_dir / "rehearsal.json").exists()
     manifest = json.loads((auto_dir / "manifest.json").read_text())
     assert manifest["stop"]["mode"] == "auto" and manifest["stop"]["beside"] is True
     assert manifest["stop"]["gpus_beside"][0]["index"] == 0 and manifest["stop"]["gpus_beside"][0]["free_mib"] > 0
