@@ -97,7 +97,10 @@ def compile_gemv(which: int, g: dict, group: int = 32, *, target=None, topk: int
     signature = dict(SIGNATURE_GEMV, out_ptr="*fp32" if which == 1 else "*bf16")
     constants = dict(TOPK=topk, GROUP=group, BLOCK_N=g["bn"], BLOCK_KW=g["bkw"], GATE_UP=which == 1,
                      CONVERT_ASM=bool(g.get("asm", False)), INTER_DTYPE=tm.tl.bfloat16,
-                     BY_EXPERT=bool(g.get("sort", False) if by_expert is None else by_expert))
+                     BY_EXPERT=bool(g.get("sort", False) if by_expert is None else by_expert),
+                     RAW_A=which == 1 and bool(g.get("fx", False)), SUM_TOPK=which == 2 and bool(g.get("fsum", False)))
+    if constants["SUM_TOPK"]:
+        constants["BY_EXPERT"] = False  # a token's slots in their own order (TritonW4A16MoE.gemv2)
     for name in constants:
         signature[name] = "constexpr"
     src = ASTSource(fn=tm._gemv_kernel, signature=signature, constexprs=constants, attrs=_attrs(signature))
@@ -284,6 +287,19 @@ def portability_jobs(archs: list[int], shapes) -> list[dict]:
     return jobs
 
 
+def fit_problems(d: dict, arch: int, limits, threads: int) -> list[str]:
+    """What of a compiled kernel (describe's d) does not fit the architecture: shared memory
+    per block, registers per thread and per SM, spills."""
+    problems = []
+    if d["shared"] > limits.smem_per_block:
+        problems.append(f"shared memory {d['shared']} B over sm_{arch}'s {limits.smem_per_block} B per block")
+    if d["regs"] > MAX_REGISTERS_PER_THREAD or d["regs"] * threads > REGISTERS_PER_SM:
+        problems.append(f"{d['regs']} registers x {threads} threads do not fit sm_{arch}'s register file")
+    if d["local"] > 0 or d["stack"] > 0:
+        problems.append(f"spills: {d['local']} B local memory, {d['stack']} B stack per thread")
+    return problems
+
+
 def check_gluon_job(job: dict) -> dict:
     """Compile the Gluon path's kernel for job's architecture, or say why it does not apply there."""
     started = time.perf_counter()
@@ -302,13 +318,7 @@ def check_gluon_job(job: dict) -> dict:
         return dict(label=label, used_by=job["used_by"], problems=[f"compile failed: {type(exc).__name__}: "
                                                                    f"{str(exc)[:300]}"], notes=[],
                     seconds=time.perf_counter() - started)
-    threads = 32 * 12  # two consumer warp groups and the producer warp's group
-    if d["shared"] > limits.smem_per_block:
-        problems.append(f"shared memory {d['shared']} B over sm_{arch}'s {limits.smem_per_block} B per block")
-    if d["regs"] > MAX_REGISTERS_PER_THREAD or d["regs"] * threads > REGISTERS_PER_SM:
-        problems.append(f"{d['regs']} registers x {threads} threads do not fit sm_{arch}'s register file")
-    if d["local"] > 0 or d["stack"] > 0:
-        problems.append(f"spills: {d['local']} B local memory, {d['stack']} B stack per thread")
+    problems += fit_problems(d, arch, limits, threads=32 * 12)  # two consumer warp groups, the producer's
     if not d["counts"].get("HGMMA"):
         problems.append("no HGMMA in the compiled code")
     summary = f"regs {d['regs']:3d} smem {d['shared']:6d} local {d['local']} HGMMA={d['counts'].get('HGMMA', 0)}"
@@ -351,13 +361,7 @@ def check_job(job: dict) -> dict:
         return dict(label=label, used_by=job["used_by"], problems=[f"compile failed: {type(exc).__name__}: "
                                                                    f"{str(exc)[:300]}"], notes=notes,
                     seconds=time.perf_counter() - started)
-    threads = 32 * job["g"]["warps"]
-    if d["shared"] > limits.smem_per_block:
-        problems.append(f"shared memory {d['shared']} B over sm_{arch}'s {limits.smem_per_block} B per block")
-    if d["regs"] > MAX_REGISTERS_PER_THREAD or d["regs"] * threads > REGISTERS_PER_SM:
-        problems.append(f"{d['regs']} registers x {threads} threads do not fit sm_{arch}'s register file")
-    if d["local"] > 0 or d["stack"] > 0:
-        problems.append(f"spills: {d['local']} B local memory, {d['stack']} B stack per thread")
+    problems += fit_problems(d, arch, limits, threads=32 * job["g"]["warps"])
     summary = (f"regs {d['regs']:3d} smem {d['shared']:6d} local {d['local']} "
                + " ".join(f"{op}={d['counts'][op]}" for op in ("HGMMA", "HMMA") if d["counts"].get(op))
                + (f" UTCMMA={d['sass'].count('UTCHMMA') + d['sass'].count('UTCQMMA')}" if 100 <= arch < 120 else ""))

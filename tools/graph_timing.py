@@ -140,14 +140,19 @@ def path_of(config: dict) -> str:
     return f"tensor-core bm{config['block_m']} {form}{fallback}"
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def common_arguments(parser, m_list: str, budget_s: float) -> None:
+    """The options every timing tool here shares (this one, path_compare, row_compare)."""
     parser.add_argument("--preset", default="kimi-k2.6", choices=sorted(presets.PRESETS))
     parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--m-list", default="1,2,4,8,16,32,64,128,256,512,1024,2048")
+    parser.add_argument("--m-list", default=m_list)
+    parser.add_argument("--budget-s", type=float, default=budget_s, help="stop replaying an M after this (at least 5)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common_arguments(parser, m_list="1,2,4,8,16,32,64,128,256,512,1024,2048", budget_s=1.5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--replays", type=int, default=200)
-    parser.add_argument("--budget-s", type=float, default=1.5, help="stop replaying an M after this (at least 5)")
     parser.add_argument("--harness", action="store_true", help="run the harness first and compare its medians")
     parser.add_argument("--harness-out", default="", help="with --harness: its results JSON")
     parser.add_argument("--interleave", type=int, default=0,

@@ -30,11 +30,8 @@ import graph_timing as gt
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="kimi-k2.6", choices=sorted(presets.PRESETS))
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--m-list", default="1024,2048,4096,8192")
+    gt.common_arguments(parser, m_list="1024,2048,4096,8192", budget_s=0.5)
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--budget-s", type=float, default=0.5)
     parser.add_argument("--all-m", action="store_true")
     parser.add_argument("--out", default="")
     parser.add_argument("--stop-on-fallback", action="store_true")

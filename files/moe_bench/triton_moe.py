@@ -70,7 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import quant, sass
+from . import perfmodel, quant, sass
 
 # ---------------------------------------------------------------------------
 # Kernels
@@ -673,6 +673,68 @@ def _word_dot(w, a_ptrs, KW, CONVERT_ASM: tl.constexpr):
 
 
 @triton.jit
+def _raw_word_dot(w, x_ptrs, CONVERT_ASM: tl.constexpr):
+    """_word_dot with the activations read straight from x's row (any float dtype) instead of
+    the word-order buffer: x_ptrs ([1, W]) point at value 32c + 4i of word w = 4c + i, whose
+    positions 2j and 2j + 1 pair with values + j and + 16 + j (_store_word_order); the word's
+    bias is formed here from the same values."""
+    n0, n1, n2, n3, n4, n5, n6, n7 = _word_nibbles(w, CONVERT_ASM)
+    l0 = tl.load(x_ptrs).to(tl.float32)
+    h0 = tl.load(x_ptrs + 16).to(tl.float32)
+    l1 = tl.load(x_ptrs + 1).to(tl.float32)
+    h1 = tl.load(x_ptrs + 17).to(tl.float32)
+    l2 = tl.load(x_ptrs + 2).to(tl.float32)
+    h2 = tl.load(x_ptrs + 18).to(tl.float32)
+    l3 = tl.load(x_ptrs + 3).to(tl.float32)
+    h3 = tl.load(x_ptrs + 19).to(tl.float32)
+    p = -(136.0 * (l0 + l1 + l2 + l3) + 2056.0 * (h0 + h1 + h2 + h3)) + n0 * l0
+    p += n1 * h0
+    p += n2 * l1
+    p += n3 * h1
+    p += n4 * l2
+    p += n5 * h2
+    p += n6 * l3
+    p += n7 * h3
+    return p
+
+
+@triton.jit
+def _gemv_acc(acc, a_row, w_base, s_base, cols, K, stride_wt, stride_sg,
+              GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, RAW_A: tl.constexpr, CONVERT_ASM: tl.constexpr):
+    """acc ([C, BLOCK_KW // 4] float32) plus the columns cols of one expert's
+    packed weights (w_base, s_base: that expert's words and scales) dotted with one activation
+    row over all of K: a_row points at the row in the operand order of _store_word_order, or,
+    with RAW_A, at the row itself (_raw_word_dot)."""
+    KW = K // 8
+    CHUNKS: tl.constexpr = BLOCK_KW // 4
+    offs_w = tl.arange(0, BLOCK_KW)
+    # Word w of row n in the tiles: byte 4w of _tile_offsets, in words (8 words a row per block).
+    # Written out in words: the same arithmetic through _tile_offsets / _tile_shift with a word
+    # unit ran 17-37% slower on the H200 (PERFORMANCE.md round 14).
+    w_ptrs = (w_base + (cols // 32)[:, None] * stride_wt + (offs_w // 8)[None, :] * 256
+              + (cols % 32)[:, None] * 8 + (offs_w % 8)[None, :])
+    if RAW_A:
+        a_ptrs = a_row + (offs_w // 4 * 32 + offs_w % 4 * 4)[None, :]
+    else:
+        a_ptrs = a_row + offs_w[None, :]
+    s_ptrs = s_base + cols[:, None]
+    offs_ch = tl.arange(0, CHUNKS)
+    for kw in range(0, KW, BLOCK_KW):
+        # kw is a multiple of BLOCK_KW (a multiple of 4): a step never crosses a block's end,
+        # and the shift is a multiple of 4 words (16-byte loads).
+        w = tl.load(w_ptrs + (kw // 8) * 256 + (kw // 4 % 2) * 4).to(tl.uint32, bitcast=True)
+        if RAW_A:
+            p = _raw_word_dot(w, a_ptrs + kw * 8, CONVERT_ASM)
+        else:
+            p = _word_dot(w, a_ptrs + kw, KW, CONVERT_ASM)
+        chunk_sum = tl.sum(tl.reshape(p, (cols.shape[0], CHUNKS, 4)), axis=2)
+        g = (kw * 8 + offs_ch * 32) // GROUP
+        s = tl.load(s_ptrs + g[None, :] * stride_sg).to(tl.float32)
+        acc += s * chunk_sum
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     a_ptr,
     w_ptr,
@@ -697,25 +759,44 @@ def _gemv_kernel(
     CONVERT_ASM: tl.constexpr,
     INTER_DTYPE: tl.constexpr,
     BY_EXPERT: tl.constexpr,
+    RAW_A: tl.constexpr = False,
+    SUM_TOPK: tl.constexpr = False,
 ):
     """One slot x BLOCK_N output columns, reduced over all of K.
 
     a: float32 activation rows in the order of _store_word_order. GATE_UP (GEMM1): a's row is
     the slot's token, w is w13, N = inter: the program dots gate columns n and up columns
     N + n and stores SiLU(gate) * up (rounded to INTER_DTYPE, the activations' dtype) at
-    out[slot] in the same operand order for GEMM2 (BLOCK_N a multiple of 32). Otherwise (GEMM2): a's row is the slot, w is
-    w2: stores the result times the slot's top-k weight at out[slot]. w_ptr: the stored
-    tiles (quant.tile_packed) viewed as uint32 words, strides in words (stride_wt: per 32-row
+    out[slot] in the same operand order for GEMM2 (BLOCK_N a multiple of 32); with RAW_A, a is
+    x itself (its rows in their own order, no word-order step before). Otherwise (GEMM2): a's
+    row is the slot, w is w2: stores the result times the slot's top-k weight at out[slot];
+    with SUM_TOPK the program takes a token instead of a slot and sums its TOPK slots' weighted
+    results into out[token] (no top-k sum step after). w_ptr: the stored tiles
+    (quant.tile_packed) viewed as uint32 words, strides in words (stride_wt: per 32-row
     group). BY_EXPERT: the programs take the slots in the order of order_ptr (the slots
     grouped by expert, _scatter_kernel), so the slots that share an expert run side by side
     and its weights are read from DRAM once; otherwise in their own order."""
     pid = tl.program_id(0)
     num_n = N // BLOCK_N
+    pid_n = pid % num_n
+    CHUNKS: tl.constexpr = BLOCK_KW // 4
+    if SUM_TOPK:
+        token = (pid // num_n).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k in range(TOPK):
+            slot = token * TOPK + k
+            expert = tl.load(topk_ids_ptr + slot).to(tl.int64)
+            acc = _gemv_acc(tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32), a_ptr + slot * stride_am,
+                            w_ptr + expert * stride_we, s_ptr + expert * stride_se, cols, K, stride_wt, stride_sg,
+                            GROUP, BLOCK_KW, False, CONVERT_ASM)
+            total += tl.sum(acc, axis=1) * tl.load(topk_weights_ptr + slot)
+        tl.store(out_ptr + token * stride_om + cols, total.to(out_ptr.dtype.element_ty))
+        return
     if BY_EXPERT:
         slot = tl.load(order_ptr + pid // num_n)
     else:
         slot = pid // num_n
-    pid_n = pid % num_n
     expert = tl.load(topk_ids_ptr + slot).to(tl.int64)
     if GATE_UP:
         row = (slot // TOPK).to(tl.int64)
@@ -724,27 +805,9 @@ def _gemv_kernel(
     else:
         row = slot.to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    KW = K // 8
-    CHUNKS: tl.constexpr = BLOCK_KW // 4
-    offs_w = tl.arange(0, BLOCK_KW)
-    # Word w of row n in the tiles: byte 4w of _tile_offsets, in words (8 words a row per block).
-    # Written out in words: the same arithmetic through _tile_offsets / _tile_shift with a word
-    # unit ran 17-37% slower on the H200 (PERFORMANCE.md round 14).
-    w_ptrs = (w_ptr + expert * stride_we + (cols // 32)[:, None] * stride_wt + (offs_w // 8)[None, :] * 256
-              + (cols % 32)[:, None] * 8 + (offs_w % 8)[None, :])
-    a_ptrs = a_ptr + row * stride_am + offs_w[None, :]
-    s_ptrs = s_ptr + expert * stride_se + cols[:, None]
-    offs_ch = tl.arange(0, CHUNKS)
     acc = tl.zeros((cols.shape[0], CHUNKS), dtype=tl.float32)
-    for kw in range(0, KW, BLOCK_KW):
-        # kw is a multiple of BLOCK_KW (a multiple of 4): a step never crosses a block's end,
-        # and the shift is a multiple of 4 words (16-byte loads).
-        w = tl.load(w_ptrs + (kw // 8) * 256 + (kw // 4 % 2) * 4).to(tl.uint32, bitcast=True)
-        p = _word_dot(w, a_ptrs + kw, KW, CONVERT_ASM)
-        chunk_sum = tl.sum(tl.reshape(p, (cols.shape[0], CHUNKS, 4)), axis=2)
-        g = (kw * 8 + offs_ch * 32) // GROUP
-        s = tl.load(s_ptrs + g[None, :] * stride_sg).to(tl.float32)
-        acc += s * chunk_sum
+    acc = _gemv_acc(acc, a_ptr + row * stride_am, w_ptr + expert * stride_we, s_ptr + expert * stride_se, cols, K,
+                    stride_wt, stride_sg, GROUP, BLOCK_KW, RAW_A, CONVERT_ASM)
     res = tl.sum(acc, axis=1)
     if GATE_UP:
         gate, up = tl.split(tl.trans(tl.reshape(res, (2, BLOCK_N))))
@@ -779,7 +842,10 @@ def _gemv_kernel(
 # bn output columns per program, GEMM1's gate and up each; bkw 32-bit words of packed weights
 # per column and step, a multiple of 4: whole 32-value chunks; warps; sort (GEMM1's entry
 # decides for both): the programs take the slots grouped by expert, worth its two extra
-# launches once slots start to share experts).
+# launches once slots start to share experts; fx (GEMM1): x's rows read as they are, no
+# word-order launch; fsum (GEMM2): a program per token's columns over its top-k slots, no top-k
+# sum launch, bn in runs of 16. Both lost at kimi-k2.6 M=1-32 (PERFORMANCE.md round 17: the
+# scattered activation loads and the serial slots cost more than the launches): no row uses them.
 # The rows' tiles were chosen on one H200 at the kimi-k2.6 shape with `tools/kernel_sweep.py
 # --variants` (every candidate checked against the float32 reference, then each GEMM timed
 # alone); which row runs at which M is decided by slots per expert (see "Tiles by shape and
@@ -883,7 +949,9 @@ def _fit(gemm: dict, k: int, n: int, group: int) -> dict:
     """Shrink a table entry's tiles until they divide this GEMM's k and n."""
     if gemm.get("gemv"):
         # One-row kernels: whole 32-value chunks (4 words) per step, columns in runs of 32.
-        return dict(gemm, bn=_largest_dividing(gemm["bn"], n, 32), bkw=_largest_dividing(gemm["bkw"], k // 8, 4),
+        # GEMM2 with `fsum` (no word-order store after it) takes columns in runs of 16.
+        return dict(gemm, bn=_largest_dividing(gemm["bn"], n, 16 if gemm.get("fsum") else 32),
+                    bkw=_largest_dividing(gemm["bkw"], k // 8, 4),
                     asm=bool(gemm.get("asm", False)))
     bn = _largest_dividing(gemm["bn"], n, 32)
     # The K step is whole groups: k is a multiple of the group, so the group itself always fits.
@@ -905,8 +973,9 @@ def _fit(gemm: dict, k: int, n: int, group: int) -> dict:
 # follows from its slots per expert, M * topk / experts (SLOTS_PER_EXPERT_ROWS); presets ship
 # their measured tables (PRESET_TABLES), any other shape takes the rule
 # (table_by_slots_per_expert). Then the device, read at run time (device_limits), adjusts a
-# row (fit_to_device): the one-row kernels' GEMM1 takes bn 32 instead of 64 when bn 64 would
-# give fewer than four programs per SM, and a tensor-core row's stages drop until its
+# row (fit_to_device): GEMM1 (the one-row kernels' and, on layers of few column tiles and slots
+# per expert, the block_m 16 one) takes bn 32 instead of 64 when bn 64 would give fewer than four
+# programs per SM, and a tensor-core row's stages drop until its
 # pipelined tiles fit the device's shared memory (an sm_120 or sm_89 block gets 99 KB, an
 # H100/H200 227 KB).
 
@@ -959,6 +1028,22 @@ def fit_to_device(cfg: dict, limits: DeviceLimits | None, shape: quant.MoEShape,
             g1 = dict(g1, bn=g1["bn"] // 2)
         cfg["g1"] = g1
         return cfg
+    # GEMM1's programs on a block_m 16 row are blocks (about one per expert touched) times inter /
+    # bn column tiles. Where a layer has few column tiles (inter / 64 <= 8: the --tp 8 shards) and
+    # few slots per expert (<= 0.5), bn 64 can leave fewer than four programs per SM (kimi-k2.6
+    # --tp 8 M=16: about 460): bn 32 doubles them. Measured (PERFORMANCE.md round 17): kimi-k2.6
+    # --tp 8 M=16 154 against 163 us, deepseek-v3 --tp 8 M=4 / 16 61 / 149 against 65 / 152,
+    # qwen3-235b-a22b --tp 8 M=2-8 10-15% faster; no measured M lost more than 1%. With more
+    # column tiles or more slots per expert bn 32 lost (qwen3-235b-a22b M=2, --tp 8 M=16-128;
+    # mixtral-8x7b --tp 8 M=16-32: 3-14% slower), so those keep bn 64.
+    slots_per_expert = m * shape.topk / shape.experts
+    if cfg["block_m"] == 16 and shape.inter // 64 <= 8 and slots_per_expert <= 0.5:
+        blocks = perfmodel.expected_distinct_experts(shape, m)
+        g1 = cfg["g1"]
+        while g1["bn"] > 32 and blocks * (shape.inter // g1["bn"]) < 4 * limits.sm_count \
+                and shape.inter % (g1["bn"] // 2) == 0:
+            g1 = dict(g1, bn=g1["bn"] // 2)
+        cfg["g1"] = g1
     for which, gate_up in (("g1", True), ("g2", False)):
         g = cfg[which]
         while g["stages"] > 2 and g["stages"] * _stage_bytes(cfg["block_m"], g, gate_up) > limits.smem_per_block:
@@ -1329,9 +1414,11 @@ class TritonW4A16MoE:
     def _forward_triton(self, x, topk_ids, topk_weights):
         cfg = self._config(x.shape[0])
         if cfg["g1"].get("gemv"):
-            self.word_order(x, topk_ids, by_expert=cfg["g1"].get("sort", False))
+            self.word_order(x, topk_ids, by_expert=cfg["g1"].get("sort", False), raw=cfg["g1"].get("fx", False))
             self.gemv1(x, cfg["g1"])
-            self.gemv2(x, topk_weights, cfg["g2"])
+            out = self.gemv2(x, topk_weights, cfg["g2"])
+            if out is not None:
+                return out
         else:
             self.align(topk_ids, cfg["block_m"])
             self.gemm1(x, cfg["block_m"], cfg["g1"])
@@ -1437,16 +1524,20 @@ class TritonW4A16MoE:
 
         self.last_gemm2 = self._launch("g2", block_m, g2, shape.inter, launch)
 
-    def word_order(self, x: torch.Tensor, topk_ids: torch.Tensor, by_expert: bool = False) -> None:
+    def word_order(self, x: torch.Tensor, topk_ids: torch.Tensor, by_expert: bool = False, raw: bool = False) -> None:
         """One-row kernels, step 1: x's rows as float32 in their operand order (and the slots'
         experts for the next two steps). by_expert (the table's `sort`): also group the slots
-        by expert (no padding), the order the next two steps take them in."""
+        by expert (no padding), the order the next two steps take them in. raw (GEMM1's `fx`):
+        no word-order buffer, GEMM1 reads x's rows itself (no launch here unless by_expert)."""
         shape = self.shape
         self._m = x.shape[0]
         self._ids = topk_ids
         self._by_expert = bool(by_expert)
         if self._by_expert:
             self._group_slots(topk_ids, 1)
+        if raw:
+            self._xw = None
+            return
         kw = shape.hidden // 8
         xw = self._partial("xw", _word_order_elems(shape, self._m)[0]).view(-1)[: self._m * 9 * kw].view(self._m, 9 * kw)
         chunks = _largest_dividing(32, shape.hidden // 32, 1)
@@ -1467,25 +1558,40 @@ class TritonW4A16MoE:
         hw = self._partial("hw", _word_order_elems(shape, self._m)[1]).view(-1)[: slots * 9 * kw].view(slots, 9 * kw)
         words = self._packed_words(self.weights.w13)
         scales = self.weights.w13.scales
+        raw = self._xw is None  # GEMM1's `fx`: x's rows read as they are (word_order)
+        a = x if raw else self._xw
         self.last_gemm1 = _gemv_kernel[(slots * (shape.inter // g1["bn"]),)](
-            self._xw, words, scales, hw, self._ids, self._ids, self._sorted_slot,
-            shape.hidden, shape.inter, self._xw.stride(0), words.stride(0), words.stride(1), scales.stride(0),
+            a, words, scales, hw, self._ids, self._ids, self._sorted_slot,
+            shape.hidden, shape.inter, a.stride(0), words.stride(0), words.stride(1), scales.stride(0),
             scales.stride(1), hw.stride(0),
             TOPK=shape.topk, GROUP=shape.group_size, BLOCK_N=g1["bn"], BLOCK_KW=g1["bkw"], GATE_UP=True,
             CONVERT_ASM=_asm_enabled(g1), INTER_DTYPE=_TL_DTYPES[x.dtype], BY_EXPERT=self._by_expert,
-            num_warps=g1["warps"], num_stages=g1.get("stages", 1),
+            RAW_A=raw, num_warps=g1["warps"], num_stages=g1.get("stages", 1),
         )
         self._hw = hw
 
-    def gemv2(self, x: torch.Tensor, topk_weights: torch.Tensor, g2: dict) -> None:
+    def gemv2(self, x: torch.Tensor, topk_weights: torch.Tensor, g2: dict) -> torch.Tensor | None:
         """One-row kernels, step 3: intermediate @ w2 per slot, times the slot's top-k weight,
-        into the per-slot buffer (then topk_sum)."""
+        into the per-slot buffer (then topk_sum). With the table's `fsum` each program takes
+        a token's columns over all its slots and writes the output itself, which it returns
+        (no top-k sum step); otherwise None."""
         shape = self.shape
-        _, slot_buf = self._buffers(x.dtype)
-        slots = self._m * shape.topk
         words = self._packed_words(self.weights.w2)
         scales = self.weights.w2.scales
         self._g2_split = 1
+        if g2.get("fsum"):
+            out = torch.empty((self._m, shape.hidden), dtype=x.dtype, device=x.device)
+            self.last_gemm2 = _gemv_kernel[(self._m * (shape.hidden // g2["bn"]),)](
+                self._hw, words, scales, out, self._ids, topk_weights, self._sorted_slot,
+                shape.inter, shape.hidden, self._hw.stride(0), words.stride(0), words.stride(1), scales.stride(0),
+                scales.stride(1), out.stride(0),
+                TOPK=shape.topk, GROUP=shape.group_size, BLOCK_N=g2["bn"], BLOCK_KW=g2["bkw"], GATE_UP=False,
+                CONVERT_ASM=_asm_enabled(g2), INTER_DTYPE=_TL_DTYPES[x.dtype], BY_EXPERT=False, SUM_TOPK=True,
+                num_warps=g2["warps"], num_stages=g2.get("stages", 1),
+            )
+            return out
+        _, slot_buf = self._buffers(x.dtype)
+        slots = self._m * shape.topk
         self.last_gemm2 = _gemv_kernel[(slots * (shape.hidden // g2["bn"]),)](
             self._hw, words, scales, slot_buf, self._ids, topk_weights, self._sorted_slot,
             shape.inter, shape.hidden, self._hw.stride(0), words.stride(0), words.stride(1), scales.stride(0),
@@ -1494,6 +1600,7 @@ class TritonW4A16MoE:
             CONVERT_ASM=_asm_enabled(g2), INTER_DTYPE=_TL_DTYPES[x.dtype], BY_EXPERT=self._by_expert,
             num_warps=g2["warps"], num_stages=g2.get("stages", 1),
         )
+        return None
 
     def topk_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Each token's output: the sum of its top-k weighted slot rows."""

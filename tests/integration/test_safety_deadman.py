@@ -37,9 +37,13 @@ def test_slow_stop_and_every_budget_at_its_limit_never_fire_the_timer(simhost, s
     run = start_playbook(simhost, budgets)
     # While the benchmark runs the unit must stay down: sample it for the whole benchmark.
     # (The payload also runs briefly before the stop, for its preflight: wait for the job itself.)
-    wait_until(lambda: any(simhost.exec("test -s %s/runs/%s/job.json" % (STATE_DIR, rid), check=False).returncode == 0
-                           for rid in simhost.run_ids()) and simhost.payload_pids(),
-               timeout=300, interval=0.5, what="benchmark job started")
+    def job_started():
+        if run.proc.poll() is not None:
+            raise AssertionError("the run ended before its benchmark job started:\n%s" % run.stdout_so_far()[-6000:])
+        return any(simhost.exec("test -s %s/runs/%s/job.json" % (STATE_DIR, rid), check=False).returncode == 0
+                   for rid in simhost.run_ids()) and simhost.payload_pids()
+
+    wait_until(job_started, timeout=300, interval=0.5, what="benchmark job started")
     samples = 0
     while simhost.payload_pids():
         assert simhost.unit_active() not in ("active", "activating"), \

@@ -64,3 +64,20 @@ def test_configs_used_names_the_path_and_the_table():
     assert moe.configs_used(64)["path"] == "tensor-core"
     given = tm.TritonW4A16MoE(quant.random_weights(shape, "cpu"), max_m=4, table=[(1 << 62, tm.TENSOR_BM16)])
     assert given.configs_used(4)["table"] == "given"
+
+
+def test_fit_to_device_widens_the_grid_of_block_m_16_rows_on_few_column_tiles():
+    """bn 32 for GEMM1 of a block_m 16 row where inter / 64 <= 8 column tiles, <= 0.5 slots per
+    expert and bn 64 would give fewer than four programs per SM (the --tp 8 shards at small M);
+    elsewhere, and on a device with fewer SMs, the row as the table has it."""
+    def g1_bn(name, tp, m, limits=tm.H200_LIMITS):
+        shape = presets.PRESETS[name].shape(tp)
+        return tm.fit_to_device(tm._config_for(shape, m), limits, shape, m)["g1"]["bn"]
+
+    assert [g1_bn("kimi-k2.6", 8, m) for m in (8, 16, 32, 64)] == [32, 32, 64, 64]
+    assert [g1_bn("deepseek-v3", 8, m) for m in (4, 16, 32)] == [32, 32, 64]
+    assert [g1_bn("qwen3-235b-a22b", 8, m) for m in (2, 8, 16)] == [32, 32, 64]  # 1 slot per expert at M=16
+    assert g1_bn("mixtral-8x7b", 8, 4) == 64  # 28 column tiles
+    assert g1_bn("qwen3-235b-a22b", 1, 2) == 64 and g1_bn("kimi-k2.6", 1, 16) == 64
+    few_sms = tm.DeviceLimits("made-up GPU", (9, 0), 16, 232448)
+    assert g1_bn("kimi-k2.6", 8, 16, few_sms) == 64  # 460 programs fill 16 SMs

@@ -15,8 +15,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from moe_bench import quant  # noqa: E402
+from moe_bench import cli, quant  # noqa: E402
 from moe_bench import triton_moe as tm  # noqa: E402
+from moe_bench.backends import reference_moe  # noqa: E402
 
 # float32 activations: the only rounding is the bf16 scales (exact in both) and float32 sums.
 # float16 activations round the intermediate once more. Bounds are well above what the
@@ -248,6 +249,26 @@ def test_one_row_kernels_by_expert_take_the_slots_grouped_and_give_the_same_rows
     assert moe._counts.tolist() == torch.bincount(ids.flatten().long(), minlength=shape.experts).tolist()
 
 
+def test_one_row_fusions_give_the_rows_of_the_three_step_form():
+    """GEMM1's `fx` reads x's rows itself (the word order formed in registers: the same
+    products summed in the same order, so the same bits and no word-order buffer); GEMM2's
+    `fsum` sums each token's top-k weighted slots in the program (columns in runs of 16) and
+    writes the output, rounded once instead of per slot."""
+    shape = ODD_SHAPE
+    weights = quant.random_weights(shape, "cpu", seed=3)
+    x, ids, wts = random_inputs(shape, 2, torch.float16, seed=9)
+    plain = tm.TritonW4A16MoE(weights, max_m=8, table=gemv_table(bn=64))(x, ids, wts)
+    raw = tm.TritonW4A16MoE(weights, max_m=8, table=[(1 << 62, dict(block_m=1, g1=dict(GEMV, bn=64, fx=True),
+                                                                           g2=dict(GEMV, bn=64)))])
+    assert torch.equal(raw(x, ids, wts), plain) and raw._xw is None
+    fused = tm.TritonW4A16MoE(weights, max_m=8, table=[(1 << 62, dict(block_m=1, g1=dict(GEMV, bn=64, fx=True),
+                                                                             g2=dict(GEMV, bn=16, fsum=True)))])
+    out = fused(x, ids, wts)
+    assert fused.configs_used(2)["g2"]["bn"] == 16
+    assert relative_error(out, reference(weights, x, ids, wts)) < BOUND[torch.float16]
+    assert relative_error(out, plain) < 2e-3
+
+
 def test_word_order_places_every_activation_at_its_nibble():
     """Position t of word i of chunk c holds value 32c + 4i + t//2 (t even, the low nibble of
     byte 4i + t//2) or 32c + 16 + 4i + t//2 (t odd, the high nibble); position 8 the bias."""
@@ -393,3 +414,20 @@ def test_overlapped_form_is_kept_only_when_its_sass_passes():
     moe._launch("g1", cfg["block_m"], dict(other, bk=32), 7168, launcher(SAFE_SASS.replace("HGMMA", "HMMA")))
     moe._launch("g1", cfg["block_m"], dict(other, swap=False), 7168, launcher(SAFE_SASS))
     assert calls == [7168, 0, 7168, 0, 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                    reason="needs a CUDA GPU and compiled kernels (TRITON_INTERPRET=0)")
+@pytest.mark.parametrize("m", [1, 3])
+def test_one_row_fusions_on_the_gpu(m):
+    """The fused one-row rows compiled (PTX conversion included), against the float32 reference."""
+    shape = quant.MoEShape(experts=16, hidden=1024, inter=512, topk=4, group_size=32)
+    weights = quant.random_weights(shape, "cuda", seed=4)
+    row = dict(block_m=1, g1=dict(GEMV, fx=True), g2=dict(GEMV, bn=16, fsum=True))
+    moe = tm.TritonW4A16MoE(weights, max_m=4, table=[(1 << 62, row)])
+    for seed in (m, m + 10):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x, ids, wts = cli.make_inputs(shape, m, torch.bfloat16, torch.device("cuda"), gen)
+        out = cli.poisoned_call(moe, x, ids, wts, shape.hidden)
+        assert cli.relative_error(out, reference_moe(weights, x, ids, wts)) < 1e-2

@@ -64,6 +64,9 @@ def test_pool_minimum_larger_than_the_pool_is_refused():
 @pytest.mark.parametrize("outcomes, total, percentage, go", [
     ([], 3, 0, True), (["ok", "skipped"], 3, 0, True), (["ok", "down"], 3, 0, False), (["failed"], 3, 0, False),
     (["failed"], 4, 25, True), (["failed", "down"], 4, 25, False), ([""], 3, 0, False), (["ok"], 1, 100, True),
+    # test_fleet's rollout: 5 hosts, 25% -> one may fail; a regression-failed host, two skipped, then a DOWN one
+    (["failed", "skipped", "skipped"], 5, 25, True), (["failed", "skipped", "skipped", "down"], 5, 25, False),
+    (["not started", "unreachable", "refused"], 3, 0, True),
 ])
 def test_rollout_gate(outcomes, total, percentage, go):
     gate = fleet_filters.moe_bench_rollout_gate(outcomes, total, percentage)
