@@ -110,7 +110,11 @@ def build_report(
     key = history_module.config_key(document)
     status = document["status"] if document else ("unreadable" if results_path.exists() else "no results")
 
+    # The rehearsal beside the live service (fewer experts than the layer): a reduced trend result.
+    rehearsal_document, rehearsal_error = _load(run_dir / "rehearsal.json")
     manifest = build_manifest(
+        rehearsal_document=rehearsal_document,
+        rehearsal_error=rehearsal_error if (run_dir / "rehearsal.json").exists() else None,
         run_id=run_id,
         host=host,
         run_dir=run_dir,

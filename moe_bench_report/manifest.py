@@ -158,6 +158,31 @@ def timeline(given: dict, document: dict | None = None) -> dict:
     }
 
 
+def rehearsal_section(document: dict | None, error: str | None, record: dict | None) -> dict | None:
+    """The rehearsal's reduced trend result: fewer experts than the layer, measured beside the
+    live service (zero downtime); never comparable with a run of the whole layer."""
+    if document is None and error is None and record is None:
+        return None
+    reduced = (document or {}).get("rehearsal") or (record or {}).get("rehearsal") or {}
+    return {
+        "reduced": True,
+        "note": "fewer experts than the layer, measured beside the live service: a trend, not the layer's figures",
+        "outcome": (record or {}).get("outcome") or ((document or {}).get("status")),
+        "status": (document or {}).get("status"),
+        "error": ((document or {}).get("error") or {}).get("message") or (record or {}).get("error") or error,
+        "experts": reduced.get("experts"),
+        "layer_experts": reduced.get("layer_experts"),
+        "allowed_mib": reduced.get("allowed_mib"),
+        "free_mib": reduced.get("free_mib"),
+        "gpu_at_start": (document or {}).get("gpu_at_start"),
+        "phases": (document or {}).get("phases"),
+        "config": (document or {}).get("config"),
+        "results": [{"m": row.get("m"), "us": row.get("us"), "us_per_token": row.get("us_per_token"),
+                     "pct_of_floor": row.get("pct_of_floor")} for row in (document or {}).get("results") or []],
+        "checked_m": [check.get("m") for check in (document or {}).get("correctness") or [] if check.get("ok")],
+    }
+
+
 def validity(given: dict) -> dict:
     """Whether the figures of a run can be trusted. A run during which the host's dead-man timer
     fired had the unit started beside (or before the end of) the benchmark: its figures shared
@@ -190,12 +215,14 @@ def build_manifest(
     project: dict,
     launch: dict,
     generated_at: str,
+    rehearsal_document: dict | None = None,
+    rehearsal_error: str | None = None,
 ) -> dict[str, Any]:
     environment = (document or {}).get("environment") or {}
     plan = given.get("moe_bench_plan") if isinstance(given.get("moe_bench_plan"), dict) else None
     fetched = {name: sha256_of(run_dir / name)
                for name in ("results.json", "results.csv", "bench.log", "results-tp.json", "results-tp.csv",
-                            "results-tp-phases.csv")}
+                            "results-tp-phases.csv", "rehearsal.json", "rehearsal.csv", "rehearsal.log")}
     return {
         "schema": MANIFEST_SCHEMA,
         "version": REPORT_VERSION,
@@ -225,6 +252,8 @@ def build_manifest(
             "config": document.get("config"),
             "ceilings": document.get("ceilings"),
             "schema_version": document.get("schema_version"),
+            # The GPU as the payload started: a run beside a live service shares it.
+            "gpu_at_start": document.get("gpu_at_start"),
         },
         "timeline": timeline(given, document),
         "validity": validity(given),
@@ -232,5 +261,8 @@ def build_manifest(
         "maintenance_window": given.get("maintenance_window") if isinstance(given.get("maintenance_window"), dict) else None,
         "plan": plan,
         "prewarm": given.get("prewarm") if isinstance(given.get("prewarm"), dict) else None,
+        "stop": given.get("stop_decision") if isinstance(given.get("stop_decision"), dict) else None,
+        "rehearsal": rehearsal_section(rehearsal_document, rehearsal_error,
+                                       given.get("rehearsal") if isinstance(given.get("rehearsal"), dict) else None),
         "files_sha256": {name: digest for name, digest in fetched.items() if digest},
     }

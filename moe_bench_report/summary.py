@@ -94,6 +94,25 @@ def downtime_itemised_sentence(timeline: dict) -> str:
     return text
 
 
+def gpu_at_start_sentence(gpu: dict) -> str:
+    return (f"GPU {gpu.get('gpu')} {_num(gpu.get('utilization_pct'), '{:.0f}%')} busy, {_num(gpu.get('memory_used_mib'), '{:.0f}')} MiB "
+            f"used, {_num(gpu.get('memory_free_mib'), '{:.0f}')} MiB free of {_num(gpu.get('memory_total_mib'), '{:.0f}')} "
+            f"at {gpu.get('at')}")
+
+
+def rehearsal_sentence(rehearsal: dict) -> str:
+    """One line for the rehearsal: how it went and its figures, marked as the reduced layer."""
+    held = f"{rehearsal.get('experts') or '?'} of the layer's {rehearsal.get('layer_experts') or '?'} experts"
+    if rehearsal.get("status") != "complete":
+        return f"{rehearsal.get('outcome') or rehearsal.get('status') or 'none'} ({held}): {rehearsal.get('error') or 'no figures'}"
+    figures = ", ".join(f"M={row['m']} {row['us']:.1f} us" for row in rehearsal.get("results") or [])
+    text = (f"{held} (fewer than the layer: a trend, not the layer's figures), measured beside the live service; "
+            f"{len(rehearsal.get('checked_m') or [])} M checked; {figures}")
+    if rehearsal.get("gpu_at_start"):
+        text += f"; at its start {gpu_at_start_sentence(rehearsal['gpu_at_start'])}"
+    return text
+
+
 def prewarm_sentence(prewarm: dict) -> str:
     """What the read-ahead of the model's files did beside the benchmark."""
     if prewarm.get("bytes") is None:
@@ -148,6 +167,11 @@ def markdown(summary: dict) -> str:
         f"- **Downtime, itemised:** {downtime_itemised_sentence(timeline)}",
         f"- **Benchmark job:** {job_sentence(timeline)}",
         *([f"- **Model read-ahead:** {prewarm_sentence(manifest['prewarm'])}"] if manifest.get("prewarm") else []),
+        *([f"- **Stop:** {manifest['stop'].get('why')}"] if manifest.get("stop") else []),
+        *([f"- **GPU at the payload's start:** {gpu_at_start_sentence(manifest['payload']['gpu_at_start'])}"]
+          if (manifest.get("payload") or {}).get("gpu_at_start") else []),
+        *([f"- **Rehearsal (REDUCED, zero downtime):** {rehearsal_sentence(manifest['rehearsal'])}"]
+          if manifest.get("rehearsal") else []),
         f"- **Compared with previous run:** {regression_sentence(regression)}",
         f"- **Project:** commit {manifest['project']['commit']}"
         + (" (working tree modified)" if manifest["project"].get("dirty") else "")
@@ -318,6 +342,10 @@ def console_lines(summary: dict) -> list[str]:
                          f"{row['allreduce_share'] * 100:>5.1f}% {_num(row['busbw_gbps'], '{:.3g}'):>9}")
     elif tp:
         lines.append(f"Tensor-parallel run: {tp.get('status')}" + (f" ({tp['load_error']})" if tp.get("load_error") else ""))
+    if manifest.get("stop"):
+        lines.append(f"Stop: {manifest['stop'].get('why')}.")
+    if manifest.get("rehearsal"):
+        lines.append(f"Rehearsal (REDUCED, zero downtime): {rehearsal_sentence(manifest['rehearsal'])}.")
     lines.append(f"Downtime: {downtime_sentence(manifest['timeline'])}.")
     if manifest["timeline"].get("downtime_parts"):
         lines.append(f"Downtime, itemised: {downtime_line(manifest['timeline']['downtime_parts'])}.")

@@ -124,9 +124,11 @@ class TritonBackend:
     name = "triton"
     capturable = True
 
-    def __init__(self, weights: quant.MoEWeights, max_m: int, dtype: torch.dtype):
+    def __init__(self, weights: quant.MoEWeights, max_m: int, dtype: torch.dtype, layer: quant.MoEShape | None = None):
         module = import_triton_moe()
-        self.impl = module.TritonW4A16MoE(weights, max_m)
+        # layer: a rehearsal's full layer, whose kernels it compiles (fewer experts held).
+        self.impl = module.TritonW4A16MoE(weights, max_m) if layer is None else \
+            module.TritonW4A16MoE(weights, max_m, layer=layer)
         try:
             self.takes_out = "out" in inspect.signature(self.impl.__call__).parameters
         except (TypeError, ValueError):
@@ -275,11 +277,14 @@ class MarlinBackend:
         return {"path": f"{self.name} (its own heuristics)"}
 
 
-def create_backend(name: str, weights: quant.MoEWeights, max_m: int, dtype: torch.dtype):
+def create_backend(name: str, weights: quant.MoEWeights, max_m: int, dtype: torch.dtype,
+                   layer: quant.MoEShape | None = None):
+    """The backend for these weights; layer: the full layer a rehearsal (fewer experts held)
+    stands for, so the triton backend compiles that layer's kernels (the others compile none)."""
     if name == "torch":
         return TorchBackend(weights, max_m, dtype)
     if name == "triton":
-        return TritonBackend(weights, max_m, dtype)
+        return TritonBackend(weights, max_m, dtype, layer=layer)
     if name in MarlinBackend.PACKAGES:
         return MarlinBackend(name, weights, max_m, dtype)
     raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")

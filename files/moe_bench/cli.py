@@ -23,6 +23,8 @@ EXIT_BAD_ARGUMENTS = 2
 EXIT_ENVIRONMENT = 3
 EXIT_CORRECTNESS = 4
 EXIT_RUNTIME = 5
+# --rehearse only: not even top-k experts fit in the memory the service leaves free (nothing ran).
+EXIT_NO_ROOM = 6
 
 
 
@@ -84,6 +86,11 @@ class CorrectnessFailure(HarnessError):
 class RuntimeFailure(HarnessError):
     exit_code = EXIT_RUNTIME
     kind = "runtime"
+
+
+class NoRoomFailure(HarnessError):
+    exit_code = EXIT_NO_ROOM
+    kind = "no-room"
 
 
 def log(message: str) -> None:
@@ -163,6 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
     action.add_argument("--estimate", action="store_true", help="print the device-memory estimate JSON and exit")
     action.add_argument("--preflight", action="store_true",
                         help="check imports, device and free memory in seconds; exit 0 or 3")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="rehearse beside a live service: the same layer with as few experts as fit (at least "
+                             "top-k), every M of --m-list checked and timed, compiling exactly the layer's kernels "
+                             "(keep TRITON_CACHE_DIR for the full run); exit 6 when not even top-k experts fit")
+    parser.add_argument("--rehearse-experts", type=_positive_int,
+                        help="experts the rehearsal holds at most (default: twice top-k, or the fewest that compile "
+                             "the layer's kernels)")
+    parser.add_argument("--rehearse-budget-mib", type=_positive_float, default=None,
+                        help="device MiB the rehearsal may take at most (default 2048, never more than half the "
+                             "memory free at its start)")
     return parser
 
 
@@ -177,6 +194,10 @@ class Settings:
         self.dtype_name = args.dtype or ("float32" if self.device_kind == "cpu" else "bfloat16")
         self.m_list = args.m_list
         self.max_m = max(args.m_list)
+        # A rehearsal runs the layer's kernels with fewer experts held: shape becomes the held
+        # shape once the device says how many fit (choose_rehearsal_experts); layer stays.
+        self.layer = shape
+        self.rehearsal: dict | None = None
 
     def config(self) -> dict:
         a = self.args
@@ -195,7 +216,13 @@ class Settings:
             "tp_ranks": a.tp_ranks,
         }
 
+    def routings(self) -> int:
+        return perfmodel.REHEARSAL_ROUTINGS if self.args.rehearse else ROUTINGS[self.device_kind]
+
     def estimate(self) -> dict:
+        if self.args.rehearse:
+            return dict(perfmodel.rehearsal_estimate(self.shape, self.args.backend, self.max_m, self.device_kind,
+                                                     self.dtype_name), config=dict(self.config(), device=self.device))
         if self.args.tp_ranks:
             from .tp import estimate_per_rank
 
@@ -241,6 +268,10 @@ def parse_settings(argv: list[str] | None) -> Settings:
                      "wrongly: use --dtype float16 or float32")
     if args.backend.endswith("-marlin") and settings.device_kind == "cpu":
         parser.error(f"--backend {args.backend} runs on CUDA devices only")
+    if args.rehearse and args.tp_ranks:
+        parser.error("--rehearse runs on one device; leave --tp-ranks out")
+    if (args.rehearse_experts or args.rehearse_budget_mib) and not args.rehearse:
+        parser.error("--rehearse-experts and --rehearse-budget-mib go with --rehearse")
     return settings
 
 
@@ -264,7 +295,7 @@ def collect_environment(device) -> dict:
         gpu_name = torch.cuda.get_device_name(device)
         try:
             result = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", str(device.index or 0)],
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", str(_physical_index(device))],
                 capture_output=True, text=True, timeout=10, check=False,
             )
             driver = result.stdout.strip().splitlines()[0] if result.returncode == 0 and result.stdout.strip() else None
@@ -280,6 +311,114 @@ def collect_environment(device) -> dict:
         "python": platform.python_version(),
         "device": str(device) if device is not None else None,
     }
+
+
+def _physical_index(device) -> int:
+    """nvidia-smi's index of a torch CUDA device (CUDA_VISIBLE_DEVICES of plain indices mapped)."""
+    index = device.index or 0
+    visible = [part.strip() for part in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if part.strip()]
+    if index < len(visible) and visible[index].isdigit():
+        return int(visible[index])
+    return index
+
+
+def gpu_at_start(device) -> dict | None:
+    """The GPU's utilisation and memory as this run starts (nvidia-smi; a run beside a live
+    service shares the GPU, its figures say so): None off CUDA or where nvidia-smi cannot say."""
+    import subprocess
+
+    if device is None or device.type != "cuda":
+        return None
+    index = _physical_index(device)
+    try:
+        result = subprocess.run(
+            ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used,memory.free,memory.total",
+             "--format=csv,noheader,nounits", "-i", str(index)],
+            capture_output=True, text=True, timeout=10, check=False)
+        fields = [part.strip() for part in result.stdout.strip().splitlines()[0].split(",")]
+        utilisation, used, free, total = (float(field) for field in fields[:4])
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return None
+    return {"gpu": index, "utilization_pct": utilisation, "memory_used_mib": used, "memory_free_mib": free,
+            "memory_total_mib": total, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def free_mib(device) -> float | None:
+    """Device memory free now (MiB): CUDA's own count, the host's MemAvailable on the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] / 2**20
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def choose_rehearsal_experts(settings: Settings, device) -> None:
+    """Set settings.shape to the rehearsal's held experts (and settings.rehearsal), or raise
+    NoRoomFailure when not even top-k experts fit beside the service."""
+    import dataclasses
+
+    from .quant import rehearsal_expert_counts
+
+    layer = settings.layer
+    candidates = rehearsal_expert_counts(layer) if settings.args.backend == "triton" \
+        else list(range(layer.topk, layer.experts + 1))
+    wanted = settings.args.rehearse_experts or max(2 * layer.topk, candidates[0] if candidates else layer.topk)
+    budget = settings.args.rehearse_budget_mib or perfmodel.REHEARSAL_BUDGET_MIB
+    free = free_mib(device)
+    experts, allowed = perfmodel.rehearsal_experts(
+        candidates, lambda e: dataclasses.replace(layer, experts=e), settings.args.backend, settings.max_m,
+        settings.device_kind, settings.dtype_name, budget, free, wanted)
+    smallest = candidates[0] if candidates else layer.topk
+    need = perfmodel.rehearsal_estimate(dataclasses.replace(layer, experts=smallest), settings.args.backend,
+                                        settings.max_m, settings.device_kind, settings.dtype_name)["total_mib"]
+    settings.rehearsal = {"layer_experts": layer.experts, "experts": experts, "smallest_experts": smallest,
+                          "need_mib": need, "allowed_mib": allowed, "free_mib": None if free is None else round(free),
+                          "budget_mib": budget, "reduced": True}
+    if experts is None:
+        raise NoRoomFailure(
+            f"the rehearsal does not fit: {smallest} experts (top-k {layer.topk}"
+            + (", the fewest that compile the layer's kernels" if smallest > layer.topk else "")
+            + f") need about {need} MiB, {allowed} MiB allowed ({'%d' % free if free is not None else '?'} MiB free on "
+            f"{device}, at most {REHEARSAL_FREE_SHARE_TEXT} of it and {budget:g} MiB); nothing was run")
+    settings.shape = dataclasses.replace(layer, experts=experts)
+    log(f"rehearsal: {experts} of the layer's {layer.experts} experts (about "
+        f"{perfmodel.rehearsal_estimate(settings.shape, settings.args.backend, settings.max_m, settings.device_kind, settings.dtype_name)['total_mib']}"
+        f" MiB of {allowed} allowed), every M of the list checked and timed")
+
+
+REHEARSAL_FREE_SHARE_TEXT = f"{int(perfmodel.REHEARSAL_FREE_SHARE * 100)}%"
+
+
+def _rehearsing(settings) -> bool:
+    return bool(getattr(settings.args, "rehearse", False))
+
+
+def check_ms(settings: Settings, backend) -> list[int]:
+    """The M values the correctness check runs: a rehearsal checks every M of the list (each
+    compiles its own kernels) and the check's odd M; a run the configurations' ends."""
+    chosen = correctness_ms(backend, settings.m_list)
+    if _rehearsing(settings):
+        chosen = sorted(set(chosen) | set(settings.m_list))
+    return chosen
+
+
+def chunked_reference(weights, x, topk_ids, topk_weights, rows: int):
+    """The float32 reference rows at a time (rows are independent): bounded memory at a large M."""
+    import torch
+
+    from .backends import reference_moe
+
+    if x.shape[0] <= rows:
+        return reference_moe(weights, x, topk_ids, topk_weights)
+    return torch.cat([reference_moe(weights, x[i:i + rows], topk_ids[i:i + rows], topk_weights[i:i + rows])
+                      for i in range(0, x.shape[0], rows)])
 
 
 def make_inputs(shape: MoEShape, m: int, dtype, device, generator):
@@ -355,7 +494,7 @@ def check_correctness(settings: Settings, backend, weights, dtype, device, write
     bound = RELATIVE_ERROR_BOUND[settings.dtype_name]
     shape = settings.shape
     generator = torch.Generator(device=device)
-    for m in correctness_ms(backend, settings.m_list):
+    for m in check_ms(settings, backend):
         # Fresh inputs, never the ones timed, seeded apart from them.
         generator.manual_seed(settings.args.seed * 1_000_003 + 7919 * m + 1)
         x, topk_ids, topk_weights = make_inputs(shape, m, dtype, device, generator)
@@ -369,7 +508,8 @@ def check_correctness(settings: Settings, backend, weights, dtype, device, write
         if tuple(out.shape) != (m, shape.hidden):
             raise CorrectnessFailure(f"backend {backend.name} returned shape {tuple(out.shape)} for M={m}, "
                                      f"expected {(m, shape.hidden)}")
-        ref = reference_moe(weights, x, topk_ids, topk_weights)
+        ref = (chunked_reference(weights, x, topk_ids, topk_weights, perfmodel.REHEARSAL_REFERENCE_ROWS)
+               if _rehearsing(settings) else reference_moe(weights, x, topk_ids, topk_weights))
         error = relative_error(out, ref)
         worst = worst_row_error(out, ref)
         # The whole output's error never exceeds its worst row's: the row bound decides.
@@ -385,8 +525,11 @@ def check_correctness(settings: Settings, backend, weights, dtype, device, write
             raise CorrectnessFailure(
                 f"backend {backend.name} is wrong at M={m} (tile config {json.dumps(config, sort_keys=True)}): "
                 f"{shown} against the float32 reference, bound {bound:.0e} per row; no timing was done"
+                + (f" (rehearsal with {shape.experts} of the layer's {settings.layer.experts} experts)"
+                   if _rehearsing(settings) else "")
             )
         del out, ref, x, topk_ids, topk_weights
+        _release_cached(settings, device)
 
 
 def resolve_ceilings(settings: Settings, device) -> dict:
@@ -398,6 +541,11 @@ def resolve_ceilings(settings: Settings, device) -> dict:
     from .timing import measure_ceilings
 
     log("measuring ceilings (device copy, bf16 matmul) ...")
+    if settings.args.rehearse:
+        # Small buffers beside the live service (which shares the GPU: the figures are a trend).
+        ceilings = measure_ceilings(device, perfmodel.REHEARSAL_CEILING_COPY_BYTES,
+                                    perfmodel.REHEARSAL_CEILING_MATMUL_SIZE)
+        return dict(ceilings, source="measured")
     return measure_ceilings(device)
 
 
@@ -408,6 +556,15 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _release_cached(settings: Settings, device) -> None:
+    """A rehearsal beside the live service hands the allocator's cached blocks back after each
+    step, so it holds at most one step's memory (a run's caching costs nothing: the GPU is its own)."""
+    if _rehearsing(settings) and device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
 def time_one_m(settings: Settings, backend, m: int, dtype, device):
     """(compile seconds, Timing) for one M over fresh routings rotated while timing."""
     import torch
@@ -416,7 +573,7 @@ def time_one_m(settings: Settings, backend, m: int, dtype, device):
 
     generator = torch.Generator(device=device)
     generator.manual_seed(settings.args.seed * 1_000_003 + m)
-    routings = ROUTINGS[settings.device_kind]
+    routings = settings.routings()
     inputs = [make_inputs(settings.shape, m, dtype, device, generator) for _ in range(routings)]
 
     def call(r: int):
@@ -433,6 +590,7 @@ def time_one_m(settings: Settings, backend, m: int, dtype, device):
     else:
         result = timing.time_cpu(call, routings)
     del inputs
+    _release_cached(settings, device)
     return compile_s, result
 
 
@@ -476,6 +634,14 @@ def run_benchmark(settings: Settings) -> int:
         device = _open_device(settings)
         dtype = getattr(torch, settings.dtype_name)
         writer.set_environment(collect_environment(device))
+        writer.set_gpu_at_start(gpu_at_start(device))
+        if settings.args.rehearse:
+            phase = "choosing the rehearsal's experts"
+            try:
+                choose_rehearsal_experts(settings, device)
+            finally:
+                writer.set_rehearsal(settings.rehearsal)
+            writer.set_config(settings.config())
         phase = "measuring ceilings"
         ceilings = resolve_ceilings(settings, device)
         writer.set_ceilings(ceilings)
@@ -492,12 +658,14 @@ def run_benchmark(settings: Settings) -> int:
         log(f"weights: {weights.nbytes() / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s")
         phase = f"preparing backend {settings.args.backend}"
         try:
-            backend = create_backend(settings.args.backend, weights, settings.max_m, dtype)
+            # A rehearsal's backend compiles its layer's kernels (fewer experts held).
+            layer = {"layer": settings.layer} if settings.layer != settings.shape else {}
+            backend = create_backend(settings.args.backend, weights, settings.max_m, dtype, **layer)
         except BackendUnavailable as error:
             raise EnvironmentFailure(str(error)) from None
         except ValueError as error:
             raise EnvironmentFailure(f"backend {settings.args.backend} cannot run this shape: {error}") from None
-        timing_info = {"method": None, "routings": ROUTINGS[settings.device_kind], "notes": []}
+        timing_info = {"method": None, "routings": settings.routings(), "notes": []}
         end_phase("weights_s")
 
         phase = "checking correctness"

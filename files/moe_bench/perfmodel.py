@@ -166,3 +166,57 @@ def estimate(shape: MoEShape, backend: str, max_m: int, routings: int, device_ki
         "total_mib": int(-(-total // MIB)),
         "config": dict(config or {}),
     }
+
+
+# The rehearsal beside a live service (cli --rehearse): fewer experts, two routings, the float32
+# reference computed REHEARSAL_REFERENCE_ROWS rows at a time, the ceilings measured on small
+# buffers (REHEARSAL_CEILING_*), so that it needs little of the memory the service leaves free.
+REHEARSAL_ROUTINGS = 2
+REHEARSAL_REFERENCE_ROWS = 256
+REHEARSAL_CEILING_COPY_BYTES = 64 * MIB
+REHEARSAL_CEILING_MATMUL_SIZE = 2048
+# The largest device memory a rehearsal asks for by default (MiB, the CUDA context allowance
+# included), and the share of the memory free beside the service it may take at most.
+REHEARSAL_BUDGET_MIB = 2048
+REHEARSAL_FREE_SHARE = 0.5
+
+
+def rehearsal_estimate(shape: MoEShape, backend: str, max_m: int, device_kind: str = "cuda",
+                       dtype: str = "bfloat16") -> dict:
+    """Device bytes of a rehearsal holding shape.experts experts (same keys as estimate)."""
+    element = DTYPE_BYTES[dtype]
+    weights = weights_bytes(shape)
+    if backend == "torch":
+        weights += dequantized_weights_bytes(shape, element)
+    elif backend.endswith("-marlin"):
+        weights += weights_bytes(shape)
+    per_routing = 2 * max_m * shape.hidden * element + max_m * shape.topk * (4 + 4)
+    activations = REHEARSAL_ROUTINGS * per_routing
+    assignments = max_m * shape.topk
+    padded = assignments + shape.experts * 127
+    scratch = (4 * (padded + padded // 128 + shape.experts + 2) + 3 * padded * shape.inter * element
+               + assignments * shape.hidden * element)
+    ceilings = 2 * REHEARSAL_CEILING_COPY_BYTES + 3 * REHEARSAL_CEILING_MATMUL_SIZE**2 * ACTIVATION_BYTES
+    workspace = max(scratch + per_routing,
+                    reference_check_bytes(shape, min(max_m, REHEARSAL_REFERENCE_ROWS)) + per_routing
+                    + max_m * shape.hidden * FLOAT32_BYTES,
+                    ceilings if device_kind == "cuda" else 0)
+    context = CONTEXT_BYTES if device_kind == "cuda" else 0
+    total = weights + activations + workspace + context
+    return {"weights_bytes": int(weights), "activations_bytes": int(activations), "workspace_bytes": int(workspace),
+            "context_bytes": int(context), "total_bytes": int(total), "total_mib": int(-(-total // MIB))}
+
+
+def rehearsal_experts(candidates, shape_of, backend: str, max_m: int, device_kind: str, dtype: str,
+                      budget_mib: float, free_mib: float | None, wanted: int) -> tuple[int | None, int]:
+    """The expert count a rehearsal holds: the largest of `candidates` (ascending) up to `wanted`
+    (or the smallest candidate above it when none is below) whose rehearsal_estimate fits
+    min(budget_mib, REHEARSAL_FREE_SHARE * free_mib). Returns (experts or None when even the
+    smallest does not fit, the MiB allowed)."""
+    allowed = float(budget_mib) if free_mib is None else min(float(budget_mib), REHEARSAL_FREE_SHARE * float(free_mib))
+    usable = [e for e in candidates if e <= wanted] or list(candidates)[:1]
+    chosen = None
+    for experts in usable:
+        if rehearsal_estimate(shape_of(experts), backend, max_m, device_kind, dtype)["total_mib"] <= allowed:
+            chosen = experts
+    return chosen, int(allowed)

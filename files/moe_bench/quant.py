@@ -38,7 +38,7 @@ PERFORMANCE.md round 13).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -65,6 +65,34 @@ class MoEShape:
                 raise ValueError(f"{name} ({value}) must be a multiple of group size ({self.group_size})")
             if value % 2:
                 raise ValueError(f"{name} ({value}) must be even to pack two int4 values per byte")
+
+
+def _int_specialisation(value: int) -> tuple[bool, bool]:
+    """What Triton's JIT specialises an int argument on (its compiled kernel differs by it):
+    equal to 1, and divisible by 16."""
+    return value == 1, value % 16 == 0
+
+
+def rehearsal_layer_error(held: quant.MoEShape, layer: quant.MoEShape) -> str | None:
+    """Why a backend holding `held` experts cannot compile exactly `layer`'s kernels (None: it
+    can). The shapes must agree but for the expert count, which needs at least top-k, at most
+    the layer's, and the same JIT specialisation as the layer's (the expert count is a kernel
+    argument: Triton compiles apart a value of 1 and one divisible by 16)."""
+    if (held.hidden, held.inter, held.topk, held.group_size) != (layer.hidden, layer.inter, layer.topk,
+                                                                 layer.group_size):
+        return f"the rehearsal's shape {held} differs from its layer {layer} in more than the experts"
+    if not layer.topk <= held.experts <= layer.experts:
+        return f"the rehearsal holds {held.experts} experts: it needs from top-k ({layer.topk}) to the layer's {layer.experts}"
+    if _int_specialisation(held.experts) != _int_specialisation(layer.experts):
+        return (f"{held.experts} experts compile other kernels than the layer's {layer.experts} "
+                "(Triton specialises the expert count on ==1 and on divisibility by 16)")
+    return None
+
+
+def rehearsal_expert_counts(layer: quant.MoEShape) -> list[int]:
+    """Expert counts a rehearsal of this layer can hold (rehearsal_layer_error is None), smallest first."""
+    return [e for e in range(layer.topk, layer.experts + 1)
+            if rehearsal_layer_error(replace(layer, experts=e), layer) is None]
 
 
 CHUNK = 32  # K values per pairing chunk (see the module docstring)

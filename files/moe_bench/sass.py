@@ -9,7 +9,13 @@ Standard library only.
 
 from __future__ import annotations
 
+import json
+import os
 import re
+from pathlib import Path
+
+# Bumped whenever wgmma_operand_hazards changes what it finds: older cached verdicts are ignored.
+CHECK_VERSION = 1
 
 
 def kernel_sass(kernel) -> str | None:
@@ -20,6 +26,46 @@ def kernel_sass(kernel) -> str | None:
     except Exception:  # no cuobjdump, an interpreter launch, a Triton without the key
         return None
     return sass if isinstance(sass, str) and sass.strip() else None
+
+
+def _verdict_path(kernel) -> Path | None:
+    """Where the check's verdict on this compiled kernel is kept: beside Triton's own cache
+    (TRITON_CACHE_DIR, as a rehearsal hands it to the full run), keyed by the kernel's compile
+    hash; None without TRITON_CACHE_DIR or a hash."""
+    folder = os.environ.get("TRITON_CACHE_DIR", "")
+    digest = getattr(kernel, "hash", None) or getattr(getattr(kernel, "metadata", None), "hash", None)
+    if not folder or not isinstance(digest, str) or not re.fullmatch(r"[0-9A-Za-z_-]+", digest):
+        return None
+    return Path(folder) / "moe_bench_sass" / f"{digest}.json"
+
+
+def cached_verdict(kernel) -> bool | None:
+    """The overlapped-MMA verdict kept for this kernel (store_verdict), or None: disassembling
+    the cubin costs a cuobjdump call per kernel, about a second of a run that found every
+    kernel in the cache."""
+    path = _verdict_path(kernel)
+    try:
+        record = json.loads(path.read_text(encoding="utf-8")) if path is not None else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("check_version") != CHECK_VERSION:
+        return None
+    verdict = record.get("overlap_ok")
+    return verdict if isinstance(verdict, bool) else None
+
+
+def store_verdict(kernel, verdict: bool) -> None:
+    """Keep the verdict beside Triton's cache; a cache that cannot be written only costs time."""
+    path = _verdict_path(kernel)
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"check_version": CHECK_VERSION, "overlap_ok": bool(verdict)}), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def dest_registers(text: str) -> set[int]:

@@ -18,6 +18,10 @@ reader of `results` keeps working.
 Version 3 added `phases`: where the payload process spent its time, in seconds from the process's
 start (PHASE_FIELDS), written through as each phase ends, so the downtime's benchmark part can be
 itemised from the payload's own clock. Older documents read with `phases` None.
+Version 4 added `gpu_at_start` (the GPU's utilisation and memory as the run starts, from nvidia-smi;
+None off CUDA) and `rehearsal` (None for a run of the whole layer; for `--rehearse`, the reduced run
+beside the live service: {"reduced": true, "layer_experts", "experts" held, "smallest_experts",
+"need_mib", "allowed_mib", "free_mib", "budget_mib"}). Older documents read with both None.
 
 Only the standard library is imported here, so the controller can load results without torch.
 """
@@ -34,10 +38,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 SCHEMA_NAME = "moe_bench.results"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 STATUSES = ("running", "complete", "failed")
-ERROR_KINDS = ("environment", "correctness", "runtime")
+ERROR_KINDS = ("environment", "correctness", "runtime", "no-room")  # no-room: --rehearse only
 
 # Columns of one timed M, in the order the CSV shows them.
 RESULT_FIELDS = (
@@ -203,6 +207,8 @@ def new_document(environment: dict, config: dict, ceilings: dict | None = None) 
         "tp": None,
         "tp_results": [],
         "phases": {},
+        "gpu_at_start": None,
+        "rehearsal": None,
     }
 
 
@@ -239,6 +245,18 @@ class ResultsWriter:
         """How the figures were taken: method (cuda-graph, cuda-events-eager, cpu-perf-counter),
         routings rotated, notes such as a graph capture that fell back to eager timing."""
         self.document["timing"] = dict(timing)
+        self.write()
+
+    def set_config(self, config: dict) -> None:
+        self.document["config"] = {field: config.get(field) for field in CONFIG_FIELDS}
+        self.write()
+
+    def set_gpu_at_start(self, gpu: dict | None) -> None:
+        self.document["gpu_at_start"] = gpu
+        self.write()
+
+    def set_rehearsal(self, rehearsal: dict | None) -> None:
+        self.document["rehearsal"] = None if rehearsal is None else dict(rehearsal)
         self.write()
 
     def set_phase(self, name: str, seconds: float, process_s: float) -> None:
@@ -323,7 +341,15 @@ def _v2_to_v3(document: dict) -> dict:
     return document
 
 
-_UPGRADES: dict[int, Callable[[dict], dict]] = {1: _v1_to_v2, 2: _v2_to_v3}
+def _v3_to_v4(document: dict) -> dict:
+    """Version 3 had no rehearsal (fewer experts than the layer, beside the live service) and
+    did not record the GPU's utilisation and memory at the start."""
+    document.setdefault("gpu_at_start", None)
+    document.setdefault("rehearsal", None)
+    return document
+
+
+_UPGRADES: dict[int, Callable[[dict], dict]] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4}
 
 
 def upgrade_document(document: dict) -> dict:

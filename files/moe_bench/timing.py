@@ -141,18 +141,19 @@ def time_cuda(call: Callable[[int], object], routings: int, device: torch.device
     return Timing(s["us"], s["us_p20"], s["us_p80"], s["samples"], method, notes)
 
 
-def measure_ceilings(device: torch.device) -> dict:
-    """Device copy bandwidth (read + write counted) and bf16 matmul throughput, best of a few."""
+def measure_ceilings(device: torch.device, copy_bytes: int | None = None, matmul_size: int | None = None) -> dict:
+    """Device copy bandwidth (read + write counted) and bf16 matmul throughput, best of a few
+    (smaller buffers than the defaults for a rehearsal beside a live service)."""
     from .perfmodel import CEILING_COPY_BYTES, CEILING_MATMUL_SIZE
 
     with torch.cuda.device(device):
-        n = CEILING_COPY_BYTES // 2
+        n = (copy_bytes or CEILING_COPY_BYTES) // 2
         source = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
         destination = torch.empty_like(source)
         copy_us = _best_event_time(lambda: destination.copy_(source), device)
         bandwidth_gbps = 2 * n / (copy_us * 1e-6) / 1e9
         del source, destination
-        size = CEILING_MATMUL_SIZE
+        size = matmul_size or CEILING_MATMUL_SIZE
         a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
         b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
         c = torch.empty(size, size, dtype=torch.bfloat16, device=device)

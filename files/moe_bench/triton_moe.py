@@ -1153,6 +1153,12 @@ def workspace_bytes(shape: quant.MoEShape, m: int, dtype_bytes: int = 2) -> int:
     )
 
 
+def num_bins(layer: quant.MoEShape) -> int:
+    """The expert histogram's bins (NUM_BINS): a power of two above the layer's expert count,
+    so the last bin is never an expert."""
+    return triton.next_power_of_2(layer.experts + 1)
+
+
 # ---------------------------------------------------------------------------
 # The backend
 # ---------------------------------------------------------------------------
@@ -1177,24 +1183,41 @@ def gluon_check_error(out: torch.Tensor, ref: torch.Tensor) -> float | None:
 class TritonW4A16MoE:
     """Fused W4A16 MoE forward on packed int4 weights; see the module docstring."""
 
-    def __init__(self, weights: quant.MoEWeights, max_m: int, table=None, gluon: bool = True):
+    def __init__(self, weights: quant.MoEWeights, max_m: int, table=None, gluon: bool = True,
+                 layer: quant.MoEShape | None = None):
         _check_shape(weights.shape)
         if max_m < 1:
             raise ValueError(f"max_m must be at least 1, got {max_m}")
         self.weights = weights
         self.shape = weights.shape
+        # The layer whose kernels run (a rehearsal holds fewer experts than its layer, see
+        # quant.rehearsal_layer_error): every compile-time choice (the table row per M, NUM_BINS,
+        # the Gluon path's range) follows the layer, so the rehearsal compiles exactly the
+        # kernels the layer's run will find in Triton's cache; only buffer sizes follow the
+        # experts held.
+        self.layer = self.shape if layer is None else layer
+        if self.layer != self.shape:
+            error = quant.rehearsal_layer_error(self.shape, self.layer)
+            if error:
+                raise ValueError(error)
         self.max_m = max_m
         device = weights.w13.packed.device
         # The shape's table fitted to the device it runs on (read here, at run time); a table
         # given by the caller (tests, tuning scripts) runs as given.
         self.limits = device_limits(device)
         self._fit_device = table is None
-        self.table = table_for(self.shape, self.limits) if table is None else table
+        self.table = table_for(self.layer, self.limits) if table is None else table
         self._workspace: dict[torch.dtype, dict] = {}
         block_m = _max_block_m(max_m, self.table)
+        if self.layer != self.shape:
+            # Room for the Gluon path's blocks too: its range is the layer's, not the experts held.
+            from . import gluon_moe
+
+            block_m = max(block_m, gluon_moe.GLUON_TILES["g1"]["bm"])
         self._max_padded = _padded_rows(self.shape, max_m, block_m)
+        self._layer_max_padded = _padded_rows(self.layer, max_m, _max_block_m(max_m, self.table))
         e = self.shape.experts
-        self._num_bins = triton.next_power_of_2(e + 1)
+        self._num_bins = num_bins(self.layer)
         self._sorted_slot = torch.empty(self._max_padded, dtype=torch.int32, device=device)
         self._counts = torch.empty(e, dtype=torch.int32, device=device)
         self._starts = torch.empty(e, dtype=torch.int32, device=device)
@@ -1250,7 +1273,7 @@ class TritonW4A16MoE:
         # The workspace is sized by the table's largest block (block_m 64 from about 20-30 slots
         # per expert): an M whose Gluon blocks would need more runs the plain-Triton rows.
         block = self._gluon.bm if self._gluon is not None else gluon_moe.GLUON_TILES["g1"]["bm"]
-        return gluon_moe.can_run_at(self.shape, m) and _padded_rows(self.shape, m, block) <= self._max_padded
+        return gluon_moe.can_run_at(self.layer, m) and _padded_rows(self.layer, m, block) <= self._layer_max_padded
 
     def _gluon_applies(self, m: int) -> bool:
         from . import gluon_moe
@@ -1293,8 +1316,8 @@ class TritonW4A16MoE:
         return out
 
     def _config(self, m: int) -> dict:
-        cfg = _config_for(self.shape, m, self.table)
-        return fit_to_device(cfg, self.limits, self.shape, m) if self._fit_device else cfg
+        cfg = _config_for(self.layer, m, self.table)
+        return fit_to_device(cfg, self.limits, self.layer, m) if self._fit_device else cfg
 
     def _buffers(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if dtype not in self._workspace:
@@ -1336,7 +1359,7 @@ class TritonW4A16MoE:
         if not self._fit_device:
             cfg["table"] = "given"
         else:
-            cfg["table"] = "preset" if self.shape in PRESET_TABLES else "rule"
+            cfg["table"] = "preset" if self.layer in PRESET_TABLES else "rule"
             if self.limits is not None:
                 cfg["device"] = self.limits.name
         return cfg
@@ -1368,8 +1391,12 @@ class TritonW4A16MoE:
             return launch(0)
         kernel = launch(k)
         if ok is None:
-            code = sass.kernel_sass(kernel)
-            self._overlap[key] = code is not None and "HGMMA" in code and not sass.wgmma_operand_hazards(code)
+            verdict = sass.cached_verdict(kernel)
+            if verdict is None:
+                code = sass.kernel_sass(kernel)
+                verdict = code is not None and "HGMMA" in code and not sass.wgmma_operand_hazards(code)
+                sass.store_verdict(kernel, verdict)
+            self._overlap[key] = verdict
             if not self._overlap[key]:
                 kernel = launch(0)
         return kernel

@@ -123,6 +123,64 @@ def moe_bench_run_id(now_epoch=None, suffix=None):
     return datetime.fromtimestamp(epoch, tz=timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + suffix
 
 
+STOP_MODES = ("always", "auto", "never")
+REHEARSE_WORDS = {"true": "true", "yes": "true", "on": "true", "1": "true",
+                  "false": "false", "no": "false", "off": "false", "0": "false", "required": "required"}
+
+
+def moe_bench_rehearse_mode(value):
+    """moe_bench_rehearse as 'true', 'false' or 'required', from a bool or a string (AWX sends
+    strings; YAML's true arrives as a bool)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = "" if value is None else str(value).strip().lower()
+    if text not in REHEARSE_WORDS:
+        raise AnsibleFilterError("moe_bench_rehearse must be true, false or required, got %r" % (value,))
+    return REHEARSE_WORDS[text]
+
+
+def moe_bench_stop_mode(value):
+    """moe_bench_stop as 'always', 'auto' or 'never'."""
+    text = "" if value is None else str(value).strip().lower()
+    if text not in STOP_MODES:
+        raise AnsibleFilterError("moe_bench_stop must be always, auto or never, got %r" % (value,))
+    return text
+
+
+def moe_bench_stop_decision(mode, gpus, chosen, need_mib, reattach=False):
+    """Whether this run stops the unit (moe_bench_stop), and why, from the memory read beside the
+    serving unit: {"mode", "stop", "beside", "why", "need_mib", "gpus_beside"}. always stops;
+    never runs only the rehearsal (no stop, no full run); auto runs the full benchmark beside the
+    unit when every chosen GPU has need_mib free (the estimate plus the margin), and falls back to
+    stopping when one is short or unread. A re-attached run stopped the unit already."""
+    mode = moe_bench_stop_mode(mode)
+    need = int(_number("need_mib", need_mib))
+    chosen = [int(index) for index in chosen or []]
+    seen = [gpu for gpu in gpus or [] if int(gpu.get("index", -1)) in chosen]
+    free = ", ".join("GPU %s %s MiB free" % (gpu["index"], gpu.get("free_mib")) for gpu in seen)
+    short = [gpu for gpu in seen if float(gpu.get("free_mib") or 0) < need]
+    decision = {"mode": mode, "need_mib": need, "gpus_beside": seen if mode == "auto" else []}
+    if reattach:
+        decision.update(stop=True, beside=False, why="re-attached to an unfinished run that stopped the unit")
+    elif mode == "never":
+        decision.update(stop=False, beside=False,
+                        why="moe_bench_stop is never: only the rehearsal ran (a reduced run beside the live service), "
+                            "the unit was not stopped")
+    elif mode == "always":
+        decision.update(stop=True, beside=False, why="moe_bench_stop is always")
+    elif len(seen) == len(chosen) and chosen and not short:
+        decision.update(stop=False, beside=True,
+                        why="moe_bench_stop is auto and the run fits beside the serving unit (%s; it needs %d MiB: "
+                            "the estimate plus moe_bench_vram_margin_mib), so the unit was not stopped" % (free, need))
+    else:
+        missing = sorted(set(chosen) - set(int(gpu["index"]) for gpu in seen))
+        decision.update(stop=True, beside=False,
+                        why="moe_bench_stop is auto but the run does not fit beside the serving unit (%s; it needs %d "
+                            "MiB: the estimate plus moe_bench_vram_margin_mib): falling back to stopping it"
+                            % (free + ("; GPU %s unread" % ",".join(map(str, missing)) if missing else ""), need))
+    return decision
+
+
 def moe_bench_plan(settings, now_epoch=None):
     """Every timeout of a run, from its budgets (see DOCUMENTATION)."""
     if not isinstance(settings, dict):
@@ -176,6 +234,16 @@ def moe_bench_plan(settings, now_epoch=None):
     # The dead-man switch must never fire inside a legitimate run: the settle period after the
     # first healthy answer still belongs to the run.
     deadman_delay_s = int(math.ceil(planned_downtime_s + value["settle_s"] + value["deadman_margin_s"]))
+    # Whether the unit is stopped at all: never runs only the rehearsal beside the live service,
+    # so it plans no downtime and arms no dead-man switch; auto may stop (the deadline above is
+    # the one armed then) or run beside the service (decided once the memory beside it is read).
+    stop_mode = moe_bench_stop_mode(settings.get("stop_mode", "always"))
+    rehearse = moe_bench_rehearse_mode(settings.get("rehearse", "true"))
+    if stop_mode == "never" and rehearse == "false":
+        raise AnsibleFilterError("moe_bench_stop never runs only the rehearsal beside the service, "
+                                 "so moe_bench_rehearse cannot be false")
+    if stop_mode == "never":
+        planned_downtime_s = 0
     plan = dict(value)
     plan.update({
         "run_id": moe_bench_run_id(epoch),
@@ -194,6 +262,11 @@ def moe_bench_plan(settings, now_epoch=None):
         "planned_downtime_s": planned_downtime_s,
         "deadman_delay_s": deadman_delay_s,
         "lock_ttl_s": int(math.ceil(deadman_delay_s + value["lock_ttl_margin_s"])),
+        "stop_mode": stop_mode,
+        "rehearse": rehearse,
+        "deadman_needed": stop_mode != "never",
+        # The rehearsal is one reduced run of the payload: the benchmark budget bounds it.
+        "rehearse_timeout_s": int(math.ceil(value["bench_budget_s"])),
     })
     return plan
 
@@ -347,4 +420,7 @@ class FilterModule(object):
             "moe_bench_timespan_s": moe_bench_timespan_s,
             "moe_bench_inputs": moe_bench_inputs,
             "moe_bench_serial": moe_bench_serial,
+            "moe_bench_rehearse_mode": moe_bench_rehearse_mode,
+            "moe_bench_stop_mode": moe_bench_stop_mode,
+            "moe_bench_stop_decision": moe_bench_stop_decision,
         }

@@ -65,6 +65,9 @@ FAST_VARS = {
     "moe_bench_stop_timeout_s": 30,
     "moe_bench_deadman_margin_s": 60,
     "moe_bench_lock_ttl_margin_s": 60,
+    # The rehearsal beside the live service is exercised by test_downtime_modes; elsewhere it
+    # would add a payload run to every playbook run.
+    "moe_bench_rehearse": "false",
 }
 # A long M list: the payload runs long enough on the CPU to be interrupted mid-run (or to
 # outlast a few seconds' budget). The CPU harness spends at most a fraction of a second per M,

@@ -160,9 +160,10 @@ def test_a_version_1_file_of_a_real_run_loads_in_the_current_layout():
         raw = json.load(handle)
     assert raw["schema_version"] == 1 and "tp" not in raw and "tp_ranks" not in raw["config"]
     loaded = schema.load_results(REAL_V1)
-    assert loaded["schema_version"] == schema.SCHEMA_VERSION == 3
+    assert loaded["schema_version"] == schema.SCHEMA_VERSION == 4
     assert loaded["tp"] is None and loaded["tp_results"] == [] and loaded["config"]["tp_ranks"] is None
     assert loaded["phases"] is None
+    assert loaded["rehearsal"] is None and loaded["gpu_at_start"] is None  # version 4 fields, absent in older files
     assert all(c["worst_row_rel_err"] is None and c["worst_row"] is None for c in loaded["correctness"])
     assert [r["m"] for r in loaded["results"]] == [r["m"] for r in raw["results"]]
     assert loaded["results"][0] == raw["results"][0]

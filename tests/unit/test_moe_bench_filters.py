@@ -269,3 +269,55 @@ def test_inputs_report_a_wrong_answer_by_its_variable(name, answer):
 
 def test_inputs_filter_is_registered():
     assert filters.FilterModule().filters()["moe_bench_inputs"] is filters.moe_bench_inputs
+
+
+# ---- moe_bench_stop and moe_bench_rehearse ------------------------------------------------
+
+moe_bench_rehearse_mode = filters.moe_bench_rehearse_mode
+moe_bench_stop_decision = filters.moe_bench_stop_decision
+moe_bench_stop_mode = filters.moe_bench_stop_mode
+
+
+def test_the_rehearsal_switch_and_the_stop_mode_take_awx_strings_and_yaml_bools():
+    assert [moe_bench_rehearse_mode(v) for v in (True, False, "true", "False", " required ", "yes", "0")] == \
+        ["true", "false", "true", "false", "required", "true", "false"]
+    assert moe_bench_stop_mode(" AUTO ") == "auto"
+    for bad, name in ((("maybe",), "moe_bench_rehearse"), (("sometimes",), "moe_bench_stop")):
+        with pytest.raises(AnsibleFilterError, match=name):
+            (moe_bench_rehearse_mode if name == "moe_bench_rehearse" else moe_bench_stop_mode)(*bad)
+
+
+def test_never_plans_no_downtime_and_no_dead_man_switch_and_needs_the_rehearsal():
+    never = plan(stop_mode="never", rehearse="true")
+    assert never["planned_downtime_s"] == 0 and never["deadman_needed"] is False and never["stop_mode"] == "never"
+    always = plan()
+    assert always["stop_mode"] == "always" and always["rehearse"] == "true" and always["deadman_needed"] is True
+    assert always["planned_downtime_s"] > 0 and always["rehearse_timeout_s"] == SETTINGS["bench_budget_s"]
+    assert plan(stop_mode="auto")["deadman_delay_s"] == always["deadman_delay_s"]  # armed when auto stops
+    with pytest.raises(AnsibleFilterError, match="moe_bench_rehearse cannot be false"):
+        plan(stop_mode="never", rehearse=False)
+
+
+GPUS = [{"index": 0, "free_mib": 13156, "used_mib": 130615}, {"index": 1, "free_mib": 9000, "used_mib": 134000}]
+
+
+def test_auto_runs_beside_the_unit_only_when_every_chosen_gpu_has_the_room():
+    fits = moe_bench_stop_decision("auto", GPUS, [0], 13156)
+    assert (fits["stop"], fits["beside"]) == (False, True)
+    assert "fits beside the serving unit (GPU 0 13156 MiB free; it needs 13156 MiB" in fits["why"]
+    # Just short: one MiB more than GPU 0 has free falls back to stopping, and says so.
+    short = moe_bench_stop_decision("auto", GPUS, [0], 13157)
+    assert (short["stop"], short["beside"]) == (True, False)
+    assert "does not fit beside the serving unit" in short["why"] and "falling back to stopping it" in short["why"]
+    # Every chosen GPU counts: GPU 1 is short.
+    assert moe_bench_stop_decision("auto", GPUS, [0, 1], 10000)["stop"] is True
+    # A GPU the read did not see is never assumed free.
+    unread = moe_bench_stop_decision("auto", GPUS[:1], [0, 1], 100)
+    assert unread["stop"] is True and "GPU 1 unread" in unread["why"]
+
+
+def test_always_stops_never_does_not_and_a_reattached_run_already_stopped():
+    assert moe_bench_stop_decision("always", GPUS, [0], 1)["stop"] is True
+    never = moe_bench_stop_decision("never", GPUS, [0], 10 ** 9)
+    assert (never["stop"], never["beside"]) == (False, False) and "only the rehearsal ran" in never["why"]
+    assert moe_bench_stop_decision("auto", GPUS, [0], 1, reattach=True)["stop"] is True

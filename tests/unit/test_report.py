@@ -542,3 +542,30 @@ def test_a_fetch_after_the_service_is_back_is_no_part_of_the_downtime():
     assert {part["part"]: part["s"] for part in parts["parts"]}["fetch"] == 0.0 and parts["fetch_after_downtime"]
     assert parts["overhead_s"] == pytest.approx(400.0 - 3.5 - 0.8 - 30.2 - 361.0)
     assert "fetch 0 s (after the service was back)" in figures.downtime_line(parts)
+
+
+def test_a_run_beside_the_service_reports_its_stop_decision_and_the_reduced_rehearsal(tmp_path, real_document):
+    rehearsal = json.loads(json.dumps(real_document))
+    rehearsal.update(schema_version=4, rehearsal={"reduced": True, "layer_experts": 384, "experts": 16},
+                     gpu_at_start={"gpu": 0, "utilization_pct": 16.0, "memory_used_mib": 113855.0,
+                                   "memory_free_mib": 29302.0, "memory_total_mib": 143771.0, "at": "2026-12-01T16:51:32Z"})
+    rehearsal["config"]["experts"] = 16
+    run_dir = write_run(tmp_path / "results", HOST, "20261201T165100Z-d0d0d0", None)
+    (run_dir / "rehearsal.json").write_text(json.dumps(rehearsal), encoding="utf-8")
+    stop = {"mode": "never", "stop": False, "beside": False, "need_mib": 12000, "gpus_beside": [],
+            "why": "moe_bench_stop is never: only the rehearsal ran (a reduced run beside the live service), "
+                   "the unit was not stopped"}
+    summary = build_report(run_dir, HOST, {"stop_decision": stop, "rehearsal": {"outcome": "ok"}}, environ={},
+                           plots=False)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["stop"] == stop and manifest["timeline"]["downtime_s"] is None
+    section = manifest["rehearsal"]
+    assert section["reduced"] is True and (section["experts"], section["layer_experts"]) == (16, 384)
+    assert [row["m"] for row in section["results"]] == [row["m"] for row in rehearsal["results"]]
+    assert section["gpu_at_start"]["memory_free_mib"] == 29302.0 and "files_sha256" in manifest
+    assert manifest["files_sha256"]["rehearsal.json"] == schema_sha256(run_dir / "rehearsal.json")
+    text = (run_dir / "summary.md").read_text()
+    assert "- **Stop:** moe_bench_stop is never" in text
+    assert "**Rehearsal (REDUCED, zero downtime):** 16 of the layer's 384 experts (fewer than the layer" in text
+    assert "GPU 0 16% busy, 113855 MiB used, 29302 MiB free of 143771" in text
+    assert summary["status"] == "no results"  # no full run: the rehearsal is no result of the layer

@@ -1,0 +1,60 @@
+"""No downtime when it is not needed: the rehearsal beside the live service (torch backend here:
+fewer experts than the layer, every M checked and timed) with moe_bench_stop never (the reduced
+run only), then auto (the full run beside the unit, which fits on the simulated GPU's free memory).
+Each run: the unit never stopped (same MainPID, no stop in its journal), no dead-man timer, no
+lock, and results marked as what they are."""
+
+import json
+
+from conftest import STATE_DIR, fetched_run_dirs
+
+
+def assert_service_untouched(host, before, since):
+    after = host.unit_show()
+    assert after["ActiveState"] == "active" and host.health_status() == 200
+    assert after["MainPID"] == before["MainPID"], (before, after)
+    assert host.stop_count(since) == 0
+    assert not host.timer_loaded()
+    assert host.exec("test -e %s/lock" % STATE_DIR, check=False).returncode != 0
+
+
+def test_never_and_auto_run_beside_the_live_service(simhost, run_playbook, results_dir):
+    before = simhost.unit_show()
+    since = simhost.epoch()
+
+    # never: only the rehearsal, a reduced zero-downtime trend result.
+    run = run_playbook(simhost, {"moe_bench_stop": "never", "moe_bench_rehearse": "required"})
+    assert run.rc == 0, run.describe()
+    print("never run: %.1f s" % run.wall_s)
+    text = " ".join(run.stdout.split())
+    assert "moe_bench_stop is never: only the rehearsal ran" in text, run.describe()
+    assert_service_untouched(simhost, before, since)
+    (never_dir,) = fetched_run_dirs(results_dir, simhost)
+    rehearsal = json.loads((never_dir / "rehearsal.json").read_text())
+    assert rehearsal["status"] == "complete" and rehearsal["rehearsal"]["reduced"] is True
+    assert rehearsal["config"]["experts"] == 8 < rehearsal["rehearsal"]["layer_experts"] == 16
+    assert [r["m"] for r in rehearsal["results"]] == [1, 2, 4, 8]
+    assert all(check["ok"] for check in rehearsal["correctness"])
+    assert not (never_dir / "results.json").exists()  # no full run
+    manifest = json.loads((never_dir / "manifest.json").read_text())
+    assert manifest["stop"]["mode"] == "never" and manifest["stop"]["stop"] is False
+    assert manifest["rehearsal"]["reduced"] is True and manifest["rehearsal"]["experts"] == 8
+    assert manifest["timeline"]["downtime_s"] is None
+    assert "**Rehearsal (REDUCED, zero downtime):** 8 of the layer's 16 experts" in (never_dir / "summary.md").read_text()
+
+    # auto: the simulated GPU has about 13 GB free beside the unit, the tiny run needs far less:
+    # the full run goes beside it (the rehearsal, proven above, is left out to keep the test short).
+    run = run_playbook(simhost, {"moe_bench_stop": "auto", "moe_bench_rehearse": "false"})
+    assert run.rc == 0, run.describe()
+    print("auto run: %.1f s" % run.wall_s)
+    text = " ".join(run.stdout.split())
+    assert "moe_bench_stop is auto and the run fits beside the serving unit (GPU 0" in text, run.describe()
+    assert_service_untouched(simhost, before, since)
+    auto_dir = [d for d in fetched_run_dirs(results_dir, simhost) if d != never_dir][0]
+    results = json.loads((auto_dir / "results.json").read_text())
+    assert results["status"] == "complete" and results["config"]["experts"] == 16 and results["rehearsal"] is None
+    assert not (auto_dir / "rehearsal.json").exists()
+    manifest = json.loads((auto_dir / "manifest.json").read_text())
+    assert manifest["stop"]["mode"] == "auto" and manifest["stop"]["beside"] is True
+    assert manifest["stop"]["gpus_beside"][0]["index"] == 0 and manifest["stop"]["gpus_beside"][0]["free_mib"] > 0
+    assert manifest["timeline"]["downtime_s"] is None
