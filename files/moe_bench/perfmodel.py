@@ -122,6 +122,21 @@ def reference_check_bytes(shape: MoEShape, m: int) -> int:
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
+def _weights_and_routing_bytes(shape: MoEShape, backend: str, max_m: int, element: int) -> tuple[int, int]:
+    """(the weights a backend holds on the device, one routing's inputs and outputs at max_m)."""
+    weights = weights_bytes(shape)
+    if backend == "torch":
+        weights += dequantized_weights_bytes(shape, element)
+    elif backend.endswith("-marlin"):
+        # Marlin's repacked copy beside ours (ours stays: the float32 reference reads it).
+        weights += weights_bytes(shape)
+    per_routing = (
+        2 * max_m * shape.hidden * element  # tokens in, output
+        + max_m * shape.topk * (4 + 4)  # int32 ids, float32 weights
+    )
+    return weights, per_routing
+
+
 def estimate(shape: MoEShape, backend: str, max_m: int, routings: int, device_kind: str = "cuda",
              backend_workspace_bytes: int | None = None, config: dict | None = None,
              dtype: str = "bfloat16") -> dict:
@@ -135,16 +150,7 @@ def estimate(shape: MoEShape, backend: str, max_m: int, routings: int, device_ki
     context: the CUDA context allowance (0 on the CPU).
     """
     element = DTYPE_BYTES[dtype]
-    weights = weights_bytes(shape)
-    if backend == "torch":
-        weights += dequantized_weights_bytes(shape, element)
-    elif backend.endswith("-marlin"):
-        # Marlin's repacked copy beside ours (ours stays: the float32 reference reads it).
-        weights += weights_bytes(shape)
-    per_routing = (
-        2 * max_m * shape.hidden * element  # tokens in, output
-        + max_m * shape.topk * (4 + 4)  # int32 ids, float32 weights
-    )
+    weights, per_routing = _weights_and_routing_bytes(shape, backend, max_m, element)
     activations = routings * per_routing
     if backend_workspace_bytes is None:
         backend_workspace_bytes = fused_moe_workspace_bytes(shape, max_m)
@@ -185,12 +191,7 @@ def rehearsal_estimate(shape: MoEShape, backend: str, max_m: int, device_kind: s
                        dtype: str = "bfloat16") -> dict:
     """Device bytes of a rehearsal holding shape.experts experts (same keys as estimate)."""
     element = DTYPE_BYTES[dtype]
-    weights = weights_bytes(shape)
-    if backend == "torch":
-        weights += dequantized_weights_bytes(shape, element)
-    elif backend.endswith("-marlin"):
-        weights += weights_bytes(shape)
-    per_routing = 2 * max_m * shape.hidden * element + max_m * shape.topk * (4 + 4)
+    weights, per_routing = _weights_and_routing_bytes(shape, backend, max_m, element)
     activations = REHEARSAL_ROUTINGS * per_routing
     assignments = max_m * shape.topk
     padded = assignments + shape.experts * 127
