@@ -112,6 +112,9 @@ def build_report(
 
     # The rehearsal beside the live service (fewer experts than the layer): a reduced trend result.
     rehearsal_document, rehearsal_error = _load(run_dir / "rehearsal.json")
+    if document is None and not results_path.exists() and rehearsal_document:
+        # No full run (moe_bench_stop never): the reduced rehearsal is all there is, and says so.
+        status = "rehearsal only"
     manifest = build_manifest(
         rehearsal_document=rehearsal_document,
         rehearsal_error=rehearsal_error if (run_dir / "rehearsal.json").exists() else None,
@@ -146,6 +149,14 @@ def build_report(
         "knee_us_per_token": knee["us_per_token"] if knee else None,
         "knee_pct_of_floor": knee.get("pct_of_floor") if knee else None,
         "downtime_s": manifest["timeline"]["downtime_s"],
+        # The reduced zero-downtime trend (fewer experts than the layer): never a baseline of the
+        # layer's figures, kept beside them run after run.
+        "rehearsal": {
+            "experts": (rehearsal_document.get("rehearsal") or {}).get("experts"),
+            "layer_experts": (rehearsal_document.get("rehearsal") or {}).get("layer_experts"),
+            "results": [{"m": int(row["m"]), "us": float(row["us"]), "us_per_token": per_token(row)}
+                        for row in timed_rows(rehearsal_document)],
+        } if rehearsal_document else None,
         "summary": os.path.relpath(summary_md_path.resolve(), host_dir.resolve()),
         "recorded_at": generated_at,
     }

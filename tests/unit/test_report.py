@@ -568,4 +568,9 @@ def test_a_run_beside_the_service_reports_its_stop_decision_and_the_reduced_rehe
     assert "- **Stop:** moe_bench_stop is never" in text
     assert "**Rehearsal (REDUCED, zero downtime):** 16 of the layer's 384 experts (fewer than the layer" in text
     assert "GPU 0 16% busy, 113855 MiB used, 29302 MiB free of 143771" in text
-    assert summary["status"] == "no results"  # no full run: the rehearsal is no result of the layer
+    # No full run: the rehearsal is no result of the layer, and the status says what there is.
+    assert summary["status"] == "rehearsal only"
+    (entry,) = json.loads((run_dir.parent / "history.json").read_text())["runs"]
+    assert entry["status"] == "rehearsal only" and entry["results"] == []
+    assert entry["rehearsal"]["experts"] == 16 and entry["rehearsal"]["layer_experts"] == 384
+    assert [row["m"] for row in entry["rehearsal"]["results"]] == [row["m"] for row in rehearsal["results"]]
