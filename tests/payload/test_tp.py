@@ -126,7 +126,7 @@ def test_two_ranks_time_the_phases_and_check_the_sum(tmp_path):
     result = tp_run("--tp-ranks", "2", "--m-list", TINY_M, "--out", str(out), env_extra={"NCCL_NVLS_ENABLE": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
     loaded = load_results(out)
-    assert loaded["schema_version"] == SCHEMA_VERSION == 3 and loaded["status"] == "complete"
+    assert loaded["schema_version"] == SCHEMA_VERSION == 4 and loaded["status"] == "complete"
     assert loaded["config"]["tp_ranks"] == 2 and loaded["config"]["tp"] == 2 and loaded["config"]["inter"] == 64
     setup = loaded["tp"]
     assert setup["ranks"] == 2 and setup["collective"] == "gloo" and setup["full_inter"] == 128
