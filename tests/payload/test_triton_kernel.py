@@ -211,10 +211,12 @@ def gemv_table(**options) -> list:
 
 @pytest.mark.parametrize("shape,dtype,m", [
     (ODD_SHAPE, torch.float32, 1),  # K = 96 and 160: steps shrink to 4 words (one chunk)
-    (ODD_SHAPE, torch.float16, 23),  # several slots per expert, each its own row
+    # Several slots per expert (11 x 3 slots over 5 experts), each its own row; the interpreter
+    # runs one program per slot and column tile, so a few slots more only cost time.
+    (ODD_SHAPE, torch.float16, 11),
     (quant.MoEShape(experts=4, hidden=256, inter=128, topk=2, group_size=64), torch.float32, 5),  # 2 chunks/group
     (quant.MoEShape(experts=8, hidden=512, inter=256, topk=4, group_size=128), torch.float32, 3),
-], ids=["odd-fp32-M1", "odd-fp16-M23", "group64", "group128"])
+], ids=["odd-fp32-M1", "odd-fp16-M11", "group64", "group128"])
 @pytest.mark.parametrize("sort", [False, True], ids=["slot-order", "by-expert"])
 def test_one_row_kernels_match_reference(shape, dtype, m, sort):
     weights = quant.random_weights(shape, "cpu", seed=5)
