@@ -235,8 +235,9 @@ def moe_bench_plan(settings, now_epoch=None):
     # first healthy answer still belongs to the run.
     deadman_delay_s = int(math.ceil(planned_downtime_s + value["settle_s"] + value["deadman_margin_s"]))
     # Whether the unit is stopped at all: never runs only the rehearsal beside the live service,
-    # so it plans no downtime and arms no dead-man switch; auto may stop (the deadline above is
-    # the one armed then) or run beside the service (decided once the memory beside it is read).
+    # so it plans no downtime; auto may stop (the deadline above is the one armed then) or run
+    # beside the service. moe_bench_stop_decision decides, once the memory beside it is read; a
+    # run it does not stop arms no dead-man switch.
     stop_mode = moe_bench_stop_mode(settings.get("stop_mode", "always"))
     rehearse = moe_bench_rehearse_mode(settings.get("rehearse", "true"))
     if stop_mode == "never" and rehearse == "false":
@@ -264,7 +265,6 @@ def moe_bench_plan(settings, now_epoch=None):
         "lock_ttl_s": int(math.ceil(deadman_delay_s + value["lock_ttl_margin_s"])),
         "stop_mode": stop_mode,
         "rehearse": rehearse,
-        "deadman_needed": stop_mode != "never",
         # The rehearsal is one reduced run of the payload: the benchmark budget bounds it.
         "rehearse_timeout_s": int(math.ceil(value["bench_budget_s"])),
     })
