@@ -6,6 +6,9 @@ VENV := .venv
 # a playbook run waits on SSH round trips and the hosts' own sleeps, so two overlap on 2 cores.
 # A short --basetemp: SSH's ControlPath under a test's folder must fit a Unix socket's path.
 INTEGRATION_WORKERS ?= 2
+# Unit and payload tests are pure CPU (real ansible-playbook runs, the Triton interpreter): one
+# worker per core.
+TEST_WORKERS ?= 2
 ANSIBLE_PLAYBOOK := $(VENV)/bin/ansible-playbook
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
@@ -64,10 +67,10 @@ lint: venv
 	$(VENV)/bin/ansible-lint --profile production && echo pass > .cache/lint.txt || { echo fail > .cache/lint.txt; exit 1; }
 
 unit: venv
-	$(VENV)/bin/pytest -q tests/unit --junitxml=.cache/junit-unit.xml
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) tests/unit --junitxml=.cache/junit-unit.xml
 
 payload-test: venv
-	.venv-payload/bin/pytest -q -m "not full_compile_check and not gpu" tests/payload --junitxml=.cache/junit-payload.xml
+	.venv-payload/bin/pytest -q -n $(TEST_WORKERS) -m "not full_compile_check and not gpu" tests/payload --junitxml=.cache/junit-payload.xml
 
 ## compile-check: every preset's kernel configurations compiled for sm_80/89/90/100/120, checked to fit (a few minutes; payload-test runs a one-minute subset)
 compile-check: venv

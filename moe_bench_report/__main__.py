@@ -41,7 +41,9 @@ def parser() -> argparse.ArgumentParser:
     build.add_argument("--results", type=Path, help="results JSON (default RUN_DIR/results.json)")
     build.add_argument("--results-root", type=Path, help="folder holding one folder per host (default: two levels above RUN_DIR)")
     build.add_argument("--run-id", help="run id (default: moe_bench_plan.run_id from the timeline, else RUN_DIR's name)")
-    build.add_argument("--timeline-json", type=Path, help="JSON object: the timeline facts, moe_bench_plan and launch variables")
+    build.add_argument("--timeline-json", type=Path,
+                       help="JSON object: the timeline facts, moe_bench_plan and launch variables; "
+                            "'-' reads it from standard input and records it as RUN_DIR/timeline.json")
     build.add_argument("--timeline", nargs="*", default=[], metavar="KEY=VALUE", help="timeline facts as key=value (override --timeline-json)")
     build.add_argument("--threshold", type=_fraction, default=DEFAULT_REGRESSION_THRESHOLD,
                        help="flag a slowdown beyond this fraction at any M (default 0.10)")
@@ -58,7 +60,8 @@ def parser() -> argparse.ArgumentParser:
     fleet = commands.add_parser("fleet", help="write the fleet report of a rollout")
     fleet.add_argument("--fleet-dir", required=True, type=Path, help="controller folder of the fleet report")
     fleet.add_argument("--hosts-json", required=True, type=Path,
-                       help="JSON list: one {host, outcome, why, run_dir, run_id} per targeted host")
+                       help="JSON list: one {host, outcome, why, run_dir, run_id} per targeted host; '-' reads "
+                            "it from standard input and records it as FLEET_DIR/hosts.json")
     fleet.add_argument("--fleet-id", help="the rollout's id (shown in the titles)")
     fleet.add_argument("--outlier", type=_fraction, default=0.10,
                        help="flag a host/GPU this fraction over the fleet's median at any M (default 0.10)")
@@ -72,7 +75,12 @@ def fleet_main(arguments) -> int:
     from .fleet import build_fleet
 
     try:
-        hosts = json.loads(arguments.hosts_json.read_text(encoding="utf-8"))
+        if str(arguments.hosts_json) == "-":
+            hosts = json.loads(sys.stdin.read())
+            arguments.fleet_dir.mkdir(parents=True, exist_ok=True)
+            (arguments.fleet_dir / "hosts.json").write_text(json.dumps(hosts, indent=2) + "\n", encoding="utf-8")
+        else:
+            hosts = json.loads(arguments.hosts_json.read_text(encoding="utf-8"))
         fleet = build_fleet(arguments.fleet_dir, hosts, schema_module().load_results, arguments.outlier,
                             plots=not arguments.no_plots, fleet_id=arguments.fleet_id)
     except (OSError, ValueError, KeyError, TypeError) as error:
@@ -92,14 +100,21 @@ def main(argv: list[str] | None = None) -> int:
         return fleet_main(arguments)
     given: dict = {}
     if arguments.timeline_json is not None:
+        from_stdin = str(arguments.timeline_json) == "-"
         try:
-            given = json.loads(arguments.timeline_json.read_text(encoding="utf-8"))
+            given = json.loads(sys.stdin.read() if from_stdin else arguments.timeline_json.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as error:
             print(f"moe_bench_report: cannot read --timeline-json {arguments.timeline_json}: {error}", file=sys.stderr)
             return 2
         if not isinstance(given, dict):
             print(f"moe_bench_report: --timeline-json {arguments.timeline_json} is not a JSON object", file=sys.stderr)
             return 2
+        if from_stdin:
+            # The playbook hands the facts over on stdin; they are kept beside the results (the
+            # fleet report and a later rebuild read them there).
+            arguments.run_dir.mkdir(parents=True, exist_ok=True)
+            (arguments.run_dir / "timeline.json").write_text(json.dumps(given, indent=2, sort_keys=True) + "\n",
+                                                             encoding="utf-8")
     for pair in arguments.timeline:
         key, separator, value = pair.partition("=")
         if not separator or not key:

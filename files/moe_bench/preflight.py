@@ -54,7 +54,8 @@ def preflight_report(settings) -> dict:
     except metadata.PackageNotFoundError:
         triton_version = None
 
-    need_mib = settings.estimate()["total_mib"]
+    estimate = settings.estimate()
+    need_mib = estimate["total_mib"]
     if settings.device_kind == "cpu":
         free_mib, total_mib = _cpu_memory_mib()
         device_name = "cpu"
@@ -96,6 +97,9 @@ def preflight_report(settings) -> dict:
         "torch": torch.__version__,
         "triton": triton_version,
         "backend": backend,
+        # The whole --estimate object: the playbook reads it from here instead of starting the
+        # payload a second time (an import of torch, a few seconds of CPU on the host).
+        "estimate": estimate,
     }
     ranks = getattr(settings.args, "tp_ranks", None)
     if ranks:

@@ -137,6 +137,8 @@ def test_preflight_on_cpu_reports_memory_against_the_estimate(capsys):
     estimate = json.loads(run_main(capsys, "--estimate", "--device", "cpu", "--backend", "torch",
                                    "--preset", "tiny")[1])
     assert report["need_mib"] == estimate["total_mib"]
+    # The playbook reads the estimate from the preflight: the same object as --estimate prints.
+    assert report["estimate"] == estimate
     assert report["fits_now"] is True
 
 

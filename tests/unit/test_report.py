@@ -457,6 +457,21 @@ def test_cli_builds_with_key_value_timeline_and_prints_json(tmp_path):
     assert (run_dir / "summary.json").is_file()
 
 
+def test_cli_reads_the_timeline_on_stdin_and_keeps_it_beside_the_results(tmp_path):
+    # The playbook hands the timeline over on stdin (no copy task on the controller first).
+    run_dir = write_run(tmp_path / "results", HOST, "20261129T100000Z-000012", json.loads(results_fixture().read_text()))
+    timeline = {"service_stop_stopped_at": "2026-11-29T14:00:00Z", "service_recover_ready_at": "2026-11-29T14:10:00Z",
+                "moe_bench_plan": {"run_id": "20261129T100000Z-000012"}}
+    completed = subprocess.run(
+        [sys.executable, "-m", "moe_bench_report", "build", "--run-dir", str(run_dir), "--host", HOST, "--no-plots",
+         "--print", "json", "--timeline-json", "-"],
+        input=json.dumps(timeline), capture_output=True, text=True, cwd=REPO, timeout=120,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{REPO}:{REPO / 'files'}"})
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout)["headline"]["downtime_s"] == 600.0
+    assert json.loads((run_dir / "timeline.json").read_text()) == timeline
+
+
 def test_cli_rejects_bad_input_with_a_clear_message(tmp_path, capsys):
     from moe_bench_report.__main__ import main
 
