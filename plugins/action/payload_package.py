@@ -22,15 +22,6 @@ from ansible.plugins.action import ActionBase
 ARGUMENT_SPEC = dict(src=dict(type="path", required=True))
 SKIPPED_DIRS = {"__pycache__"}
 SKIPPED_SUFFIXES = (".pyc",)
-CHUNK = 1 << 20
-
-
-def _sha256_file(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _walk(src):
@@ -93,11 +84,12 @@ class ActionModule(ActionBase):
         checksum = hashlib.sha256(data).hexdigest()
 
         # Named by content in this run's own temporary folder: the hosts of one run share it, and
-        # Ansible removes the folder when ansible-playbook exits.
+        # Ansible removes the folder when ansible-playbook exits. It is only ever written whole
+        # (os.replace), so a file of that name already holds these bytes.
         folder = os.path.join(C.DEFAULT_LOCAL_TMP, "moe_bench_payload")
         os.makedirs(folder, mode=0o700, exist_ok=True)
-        path = os.path.join(folder, "%s-%s.tar" % (os.path.basename(src), checksum[:16]))
-        if not (os.path.exists(path) and _sha256_file(path) == checksum):
+        path = os.path.join(folder, "%s-%s.tar" % (os.path.basename(src), checksum))
+        if not os.path.exists(path):
             partial = "%s.%d.part" % (path, os.getpid())
             with open(partial, "wb") as handle:
                 handle.write(data)
