@@ -35,35 +35,48 @@ ExpertWeights = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # e -> (W13.
 
 
 def _looped_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: int,
-                expert_weights: ExpertWeights, compute_dtype: torch.dtype) -> torch.Tensor:
-    """Sum over k of topk_weights[:, k] * expert(topk_ids[:, k])(x), accumulated in float32."""
+                expert_weights: ExpertWeights, compute_dtype: torch.dtype,
+                slice_rows: int | None = None) -> torch.Tensor:
+    """Sum over k of topk_weights[:, k] * expert(topk_ids[:, k])(x), accumulated in float32.
+
+    Each expert's weights are fetched once; its rows run slice_rows at a time (all at once when
+    None), so the gathered tokens and products stay small whatever M is."""
     m, topk = topk_ids.shape
     flat_ids = topk_ids.reshape(-1).long()
     order = torch.argsort(flat_ids, stable=True)
     token_of = order // topk
     weight_of = topk_weights.reshape(-1)[order].float()
     counts = torch.bincount(flat_ids, minlength=experts).tolist()  # host sync: not capturable
-    tokens = x.to(compute_dtype)
     out = torch.zeros((m, x.shape[1]), dtype=torch.float32, device=x.device)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
-        rows = token_of[start:start + count]
         w13_t, w2_t = expert_weights(expert)
-        gate_up = tokens[rows] @ w13_t
         inter = w2_t.shape[0]
-        activated = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        down = activated @ w2_t
-        out.index_add_(0, rows, down.float() * weight_of[start:start + count, None])
+        step = count if slice_rows is None else max(1, slice_rows)
+        for first in range(start, start + count, step):
+            last = min(first + step, start + count)
+            rows = token_of[first:last]
+            gate_up = x[rows].to(compute_dtype) @ w13_t
+            activated = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            del gate_up
+            down = activated @ w2_t
+            del activated
+            out.index_add_(0, rows, down.float() * weight_of[first:last, None])
+            del down
+        # Released before the next expert's are made: one expert's weights at a time.
+        del w13_t, w2_t
         start += count
     return out
 
 
 def reference_moe(weights: quant.MoEWeights, x: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor) -> torch.Tensor:
-    """The float32 ground truth: each used expert dequantized to float32 on its own (bounded
-    memory at any shape), the same bf16/fp16 inputs the backend saw, float32 arithmetic."""
+                  topk_weights: torch.Tensor, slice_rows: int | None = None) -> torch.Tensor:
+    """The float32 ground truth: each used expert dequantized to float32 on its own, once per
+    call (bounded memory at any shape; the check batches several M into one call so that each
+    expert is unpacked once), the same bf16/fp16 inputs the backend saw, float32 arithmetic.
+    slice_rows: an expert's rows computed at most that many at a time (rows are independent)."""
     device = weights.w13.packed.device
 
     def expert_weights(expert: int):
@@ -72,7 +85,8 @@ def reference_moe(weights: quant.MoEWeights, x: torch.Tensor, topk_ids: torch.Te
                 quant.dequantize(weights.w2, index, torch.float32)[0])
 
     with _full_float32_matmul():
-        return _looped_moe(x, topk_ids, topk_weights, weights.shape.experts, expert_weights, torch.float32)
+        return _looped_moe(x, topk_ids, topk_weights, weights.shape.experts, expert_weights, torch.float32,
+                           slice_rows)
 
 
 class _full_float32_matmul:
@@ -143,6 +157,13 @@ class TritonBackend:
 
     def configs_used(self, m: int) -> dict:
         return dict(self.impl.configs_used(m))
+
+    def release_workspace(self) -> None:
+        """Hand the kernels' activation-sized buffers back until the next call (see
+        TritonW4A16MoE.release_workspace); a triton_moe without it keeps them."""
+        release = getattr(self.impl, "release_workspace", None)
+        if release is not None:
+            release()
 
 
 def import_triton_moe():

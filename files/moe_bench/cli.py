@@ -409,16 +409,20 @@ def check_ms(settings: Settings, backend) -> list[int]:
     return chosen
 
 
-def chunked_reference(weights, x, topk_ids, topk_weights, rows: int):
-    """The float32 reference rows at a time (rows are independent): bounded memory at a large M."""
-    import torch
-
-    from .backends import reference_moe
-
-    if x.shape[0] <= rows:
-        return reference_moe(weights, x, topk_ids, topk_weights)
-    return torch.cat([reference_moe(weights, x[i:i + rows], topk_ids[i:i + rows], topk_weights[i:i + rows])
-                      for i in range(0, x.shape[0], rows)])
+def check_batches(ms: list[int], rows: int) -> list[list[int]]:
+    """The check's M values, in order, in batches whose rows (the sum of their M) stay within
+    `rows`; an M above it is a batch alone. Each batch's float32 reference is one pass over the
+    experts (each unpacked once per batch), so few batches make a short check."""
+    batches: list[list[int]] = []
+    held = 0
+    for m in ms:
+        if batches and held + m <= rows:
+            batches[-1].append(m)
+            held += m
+        else:
+            batches.append([m])
+            held = m
+    return batches
 
 
 def make_inputs(shape: MoEShape, m: int, dtype, device, generator):
@@ -487,6 +491,14 @@ def poisoned_call(backend, x, topk_ids, topk_weights, hidden: int):
 
 
 def check_correctness(settings: Settings, backend, weights, dtype, device, writer) -> None:
+    """Every M of check_ms on fresh inputs against the float32 reference, row by row.
+
+    The M values run in batches (check_batches): the backend's calls of a batch first (each
+    timed: a configuration's first call compiles it), then, with the backend's workspace handed
+    back, one reference pass over the experts for all of the batch's rows (the reference's rows
+    are independent, so each M's rows are exactly its own reference), then each M's comparison
+    in order. The first M over the bound stops the check; the M values after it in its batch
+    are not recorded."""
     import torch
 
     from .backends import reference_moe
@@ -494,42 +506,58 @@ def check_correctness(settings: Settings, backend, weights, dtype, device, write
     bound = RELATIVE_ERROR_BOUND[settings.dtype_name]
     shape = settings.shape
     generator = torch.Generator(device=device)
-    for m in check_ms(settings, backend):
-        # Fresh inputs, never the ones timed, seeded apart from them.
-        generator.manual_seed(settings.args.seed * 1_000_003 + 7919 * m + 1)
-        x, topk_ids, topk_weights = make_inputs(shape, m, dtype, device, generator)
-        # The first call of a tile configuration compiles it (Triton JIT): its time is recorded,
-        # because the timing phase later finds that configuration compiled already.
-        _synchronize(device)
-        call_started = time.perf_counter()
-        out = poisoned_call(backend, x, topk_ids, topk_weights, shape.hidden)
-        _synchronize(device)
-        call_s = time.perf_counter() - call_started
-        if tuple(out.shape) != (m, shape.hidden):
-            raise CorrectnessFailure(f"backend {backend.name} returned shape {tuple(out.shape)} for M={m}, "
-                                     f"expected {(m, shape.hidden)}")
-        ref = (chunked_reference(weights, x, topk_ids, topk_weights, perfmodel.REHEARSAL_REFERENCE_ROWS)
-               if _rehearsing(settings) else reference_moe(weights, x, topk_ids, topk_weights))
-        error = relative_error(out, ref)
-        worst = worst_row_error(out, ref)
-        # The whole output's error never exceeds its worst row's: the row bound decides.
-        ok = worst is not None and worst[0] <= bound
-        config = backend.configs_used(m)
-        writer.add_correctness({"m": m, "rel_err": error, "worst_row_rel_err": None if worst is None else worst[0],
-                                "worst_row": None if worst is None else worst[1], "bound": bound, "ok": ok,
-                                "config": config, "call_s": round(call_s, 3)})
-        shown = ("NaN/Inf in the output" if worst is None
-                 else f"relative error {error:.2e}, worst row {worst[1]} {worst[0]:.2e}")
-        log(f"check M={m}: {shown} (bound {bound:.0e} per row) {'ok' if ok else 'FAILED'}")
-        if not ok:
-            raise CorrectnessFailure(
-                f"backend {backend.name} is wrong at M={m} (tile config {json.dumps(config, sort_keys=True)}): "
-                f"{shown} against the float32 reference, bound {bound:.0e} per row; no timing was done"
-                + (f" (rehearsal with {shape.experts} of the layer's {settings.layer.experts} experts)"
-                   if _rehearsing(settings) else "")
-            )
-        del out, ref, x, topk_ids, topk_weights
+    rows = perfmodel.check_batch_rows(max(settings.m_list), _rehearsing(settings))
+    for batch in check_batches(check_ms(settings, backend), rows):
+        calls = []
+        for m in batch:
+            # Fresh inputs, never the ones timed, seeded apart from them.
+            generator.manual_seed(settings.args.seed * 1_000_003 + 7919 * m + 1)
+            x, topk_ids, topk_weights = make_inputs(shape, m, dtype, device, generator)
+            # The first call of a tile configuration compiles it (Triton JIT): its time is recorded,
+            # because the timing phase later finds that configuration compiled already.
+            _synchronize(device)
+            call_started = time.perf_counter()
+            out = poisoned_call(backend, x, topk_ids, topk_weights, shape.hidden)
+            _synchronize(device)
+            call_s = time.perf_counter() - call_started
+            if tuple(out.shape) != (m, shape.hidden):
+                raise CorrectnessFailure(f"backend {backend.name} returned shape {tuple(out.shape)} for M={m}, "
+                                         f"expected {(m, shape.hidden)}")
+            calls.append((m, x, topk_ids, topk_weights, out, call_s))
+        _release_workspace(backend, settings, device)
+        # One M alone (a rehearsal's largest) is not copied: its inputs are the batch's.
+        joined = [calls[0][i] if len(calls) == 1 else torch.cat([c[i] for c in calls]) for i in (1, 2, 3)]
+        ref = reference_moe(weights, *joined, perfmodel.REFERENCE_SLICE_ROWS)
+        del joined
+        first = 0
+        for m, x, topk_ids, topk_weights, out, call_s in calls:
+            _compare(settings, backend, m, out, ref[first:first + m], bound, call_s, writer)
+            first += m
+        del calls, ref, x, topk_ids, topk_weights, out
         _release_cached(settings, device)
+
+
+def _compare(settings: Settings, backend, m: int, out, ref, bound: float, call_s: float, writer) -> None:
+    """Record one M's check and raise CorrectnessFailure when its worst row is over the bound."""
+    shape = settings.shape
+    error = relative_error(out, ref)
+    worst = worst_row_error(out, ref)
+    # The whole output's error never exceeds its worst row's: the row bound decides.
+    ok = worst is not None and worst[0] <= bound
+    config = backend.configs_used(m)
+    writer.add_correctness({"m": m, "rel_err": error, "worst_row_rel_err": None if worst is None else worst[0],
+                            "worst_row": None if worst is None else worst[1], "bound": bound, "ok": ok,
+                            "config": config, "call_s": round(call_s, 3)})
+    shown = ("NaN/Inf in the output" if worst is None
+             else f"relative error {error:.2e}, worst row {worst[1]} {worst[0]:.2e}")
+    log(f"check M={m}: {shown} (bound {bound:.0e} per row) {'ok' if ok else 'FAILED'}")
+    if not ok:
+        raise CorrectnessFailure(
+            f"backend {backend.name} is wrong at M={m} (tile config {json.dumps(config, sort_keys=True)}): "
+            f"{shown} against the float32 reference, bound {bound:.0e} per row; no timing was done"
+            + (f" (rehearsal with {shape.experts} of the layer's {settings.layer.experts} experts)"
+               if _rehearsing(settings) else "")
+        )
 
 
 def resolve_ceilings(settings: Settings, device) -> dict:
@@ -554,6 +582,17 @@ def _synchronize(device) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _release_workspace(backend, settings: Settings, device) -> None:
+    """Hand the backend's activation-sized workspace back while other device work runs (the
+    check's reference), so that the two never add up; the backend makes it again, the same
+    size, on its next call. A rehearsal also gives the allocator's cached blocks back."""
+    release = getattr(backend, "release_workspace", None)
+    if release is not None:
+        _synchronize(device)
+        release()
+        _release_cached(settings, device)
 
 
 def _release_cached(settings: Settings, device) -> None:
@@ -590,6 +629,10 @@ def time_one_m(settings: Settings, backend, m: int, dtype, device):
     else:
         result = timing.time_cpu(call, routings)
     del inputs
+    if _rehearsing(settings):
+        # Beside the live service the workspace is held only while an M is timed (the
+        # captured graphs that used it are gone by now).
+        _release_workspace(backend, settings, device)
     _release_cached(settings, device)
     return compile_s, result
 

@@ -510,6 +510,10 @@ class GluonHopperPath:
                                         inter_desc=rows_descriptor(inter, self.bm))
         return self._buffers[dtype]
 
+    def release_buffers(self) -> None:
+        """Drop the gathered rows and the intermediate (made again on the next forward)."""
+        self._buffers.clear()
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 stages: tuple = ("route", "g1", "g2", "sum")) -> torch.Tensor | None:
         """The forward; `stages` (a tuning script's) runs only some of its launches, each reading

@@ -111,12 +111,44 @@ def fused_moe_workspace_bytes(shape: MoEShape, m: int, block_m: int = 128) -> in
     return sort_bytes + gate_up + activated + down
 
 
-def reference_check_bytes(shape: MoEShape, m: int) -> int:
-    """The float32 reference: one expert dequantized at a time, tokens and output in float32."""
-    one_expert = 3 * shape.hidden * shape.inter * FLOAT32_BYTES
-    tokens = 3 * m * shape.hidden * FLOAT32_BYTES  # input, output, one expert's contribution
-    gathered = m * shape.topk * (2 * shape.inter + shape.hidden) * FLOAT32_BYTES
-    return one_expert + tokens + gathered
+# The correctness check (cli.check_correctness) calls the backend on a batch of its M values,
+# hands the backend's workspace back, then computes the batch's float32 reference in one pass
+# over the experts (each unpacked once per batch, not once per M), an expert's rows
+# REFERENCE_SLICE_ROWS at a time. A batch holds at most check_batch_rows rows.
+REFERENCE_SLICE_ROWS = 256
+CHECK_BATCH_ROWS = 4096
+
+
+def check_batch_rows(max_m: int, rehearse: bool = False) -> int:
+    """The most rows (the sum of its M values) one check batch holds; an M above it is a batch
+    alone. A run: CHECK_BATCH_ROWS (the default list's whole check, 3600 rows, in one reference
+    pass) or its largest M. A rehearsal beside the live service: its largest M, so that the
+    check never holds more than one largest-M set of inputs, outputs and reference."""
+    return max_m if rehearse else max(max_m, CHECK_BATCH_ROWS)
+
+
+def reference_check_bytes(shape: MoEShape, m: int, slice_rows: int = REFERENCE_SLICE_ROWS) -> int:
+    """The float32 reference over m rows (backends.reference_moe) and the comparison after it:
+    the float32 output, beside one expert unpacked at a time (float32 W13.T and W2.T, and the
+    int8 values of W2 while they convert) and one slice of an expert's rows (the tokens
+    gathered and upcast, gate/up, SiLU(gate) and activated, down and weighted down, in
+    float32); then, the expert released, the comparison's float32 copies of the output
+    (upcast, difference)."""
+    hidden_inter = shape.hidden * shape.inter
+    rows = min(slice_rows, m * shape.topk)
+    one_slice = rows * (shape.hidden * (2 + 3 * FLOAT32_BYTES) + 4 * shape.inter * FLOAT32_BYTES)
+    routing = 3 * m * shape.topk * 8  # sorted slot order, token and weight per slot
+    expert = 3 * hidden_inter * FLOAT32_BYTES + max(hidden_inter, one_slice)
+    output = m * shape.hidden * FLOAT32_BYTES
+    return routing + max(output + expert, 3 * output)
+
+
+def check_bytes(shape: MoEShape, rows: int, element: int = ACTIVATION_BYTES) -> int:
+    """One check batch of `rows` rows with the backend's workspace handed back: its inputs (and
+    their copy joined into one batch) and the backend's outputs, and the float32 reference over
+    them."""
+    inputs_outputs = rows * (3 * shape.hidden * element + 2 * shape.topk * (4 + 4))
+    return inputs_outputs + reference_check_bytes(shape, rows)
 
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -146,7 +178,8 @@ def estimate(shape: MoEShape, backend: str, max_m: int, routings: int, device_ki
     backend, or Marlin's repacked copy for the Marlin adapters.
     activations: one set of inputs/outputs per rotated routing at the largest M.
     workspace: the larger of the backend's scratch for all routings' graphs and the phases that
-    run alone (ceiling measurement, the float32 correctness reference).
+    run alone (ceiling measurement, the correctness check's reference with the backend's
+    workspace handed back).
     context: the CUDA context allowance (0 on the CPU).
     """
     element = DTYPE_BYTES[dtype]
@@ -158,7 +191,7 @@ def estimate(shape: MoEShape, backend: str, max_m: int, routings: int, device_ki
     workspace = max(
         # captured graphs share one memory pool and replay one after another: one scratch set
         backend_workspace_bytes + per_routing,
-        reference_check_bytes(shape, max_m) + per_routing,
+        check_bytes(shape, check_batch_rows(max_m), element),
         ceiling_bytes if device_kind == "cuda" else 0,
     )
     context = CONTEXT_BYTES if device_kind == "cuda" else 0
@@ -174,11 +207,10 @@ def estimate(shape: MoEShape, backend: str, max_m: int, routings: int, device_ki
     }
 
 
-# The rehearsal beside a live service (cli --rehearse): fewer experts, two routings, the float32
-# reference computed REHEARSAL_REFERENCE_ROWS rows at a time, the ceilings measured on small
-# buffers (REHEARSAL_CEILING_*), so that it needs little of the memory the service leaves free.
+# The rehearsal beside a live service (cli --rehearse): fewer experts, two routings, check
+# batches of at most its largest M (check_batch_rows), the ceilings measured on small buffers
+# (REHEARSAL_CEILING_*), so that it needs little of the memory the service leaves free.
 REHEARSAL_ROUTINGS = 2
-REHEARSAL_REFERENCE_ROWS = 256
 REHEARSAL_CEILING_COPY_BYTES = 64 * MIB
 REHEARSAL_CEILING_MATMUL_SIZE = 2048
 # The largest device memory a rehearsal asks for by default (MiB, the CUDA context allowance
@@ -199,8 +231,7 @@ def rehearsal_estimate(shape: MoEShape, backend: str, max_m: int, device_kind: s
                + assignments * shape.hidden * element)
     ceilings = 2 * REHEARSAL_CEILING_COPY_BYTES + 3 * REHEARSAL_CEILING_MATMUL_SIZE**2 * ACTIVATION_BYTES
     workspace = max(scratch + per_routing,
-                    reference_check_bytes(shape, min(max_m, REHEARSAL_REFERENCE_ROWS)) + per_routing
-                    + max_m * shape.hidden * FLOAT32_BYTES,
+                    check_bytes(shape, check_batch_rows(max_m, rehearse=True), element),
                     ceilings if device_kind == "cuda" else 0)
     context = CONTEXT_BYTES if device_kind == "cuda" else 0
     total = weights + activations + workspace + context

@@ -222,6 +222,16 @@ def pair_index(k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., n, k // 2] -> int8 [..., k, n] in [-8, 7] (W.T's layout)."""
     k = packed.shape[-1] * 2
+    if k % CHUNK == 0:
+        # Whole pairing chunks only (every preset): byte b of a chunk holds K values b (low
+        # nibble) and b + 16 (high), so each chunk unpacks as its low half then its high half,
+        # without scattering by index.
+        chunks = packed.unflatten(-1, (k // CHUNK, CHUNK // 2))
+        q = torch.empty((*chunks.shape[:-1], 2, CHUNK // 2), dtype=torch.int8, device=packed.device)
+        q[..., 0, :] = chunks & 0x0F
+        q[..., 1, :] = chunks >> 4
+        q -= 8
+        return q.view(*packed.shape[:-1], k).transpose(-1, -2)
     low, high = pair_index(k)
     q = torch.empty((*packed.shape[:-1], k), dtype=torch.int8, device=packed.device)
     q[..., low.to(packed.device)] = (packed & 0x0F).to(torch.int8) - 8
@@ -243,6 +253,9 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 def dequantize(linear: PackedLinear, experts: torch.Tensor | None = None, dtype=torch.float32) -> torch.Tensor:
     """W.T for the chosen experts (all when None): [E', k, n] in `dtype`."""
     scales = linear.scales if experts is None else linear.scales[experts]
-    q = unpack_int4(linear.rows(experts)).to(dtype)
-    s = scales.to(dtype).repeat_interleave(linear.group_size, dim=1)
-    return q * s
+    w = unpack_int4(linear.rows(experts)).to(dtype)
+    # Scaled in place, each group's scale row broadcast over its group_size K values: the
+    # peak is the result and the int8 values, not three result-sized tensors (the float32
+    # reference unpacks one expert at a time beside a live service, see cli --rehearse).
+    w.unflatten(-2, (linear.k // linear.group_size, linear.group_size)).mul_(scales.to(dtype).unsqueeze(-2))
+    return w

@@ -1329,6 +1329,16 @@ class TritonW4A16MoE:
         ws = self._workspace[dtype]
         return ws["inter"], ws["slots"]
 
+    def release_workspace(self) -> None:
+        """Drop the activation-sized buffers (the sorted rows' intermediate, the slot rows, the
+        Gluon path's gathered rows); the next call makes them again at the same sizes, so every
+        kernel compiles and runs as before. For a caller that runs other device work in between
+        (the correctness check's float32 reference), never while a captured graph that uses
+        them is alive. Nothing the caller got back from a call lives in them."""
+        self._workspace.clear()
+        if self._gluon is not None:
+            self._gluon.release_buffers()
+
     def _partial(self, which: str, elems: int) -> torch.Tensor:
         if self._partials[which].numel() < elems:
             self._partials[which] = torch.empty(elems, dtype=torch.float32, device=self._device)

@@ -349,6 +349,61 @@ def test_check_passes_a_correct_backend_at_every_config():
                for c in recorder.checks)
 
 
+def test_check_batches_keep_the_order_and_the_row_budget():
+    # The default list's run check in one reference pass; a rehearsal's largest M alone.
+    assert cli.check_batches([1, 3, 4, 8, 512, 1024, 2048], 4096) == [[1, 3, 4, 8, 512, 1024, 2048]]
+    assert cli.check_batches([1, 2, 3, 512, 1024, 2048], 2048) == [[1, 2, 3, 512, 1024], [2048]]
+    assert cli.check_batches([1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048], 2048) == \
+        [[1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512], [1024], [2048]]
+    assert cli.check_batches([5000, 1, 2], 4096) == [[5000], [1, 2]]
+
+
+class _Releasing(_Wrapped):
+    """A correct backend that logs its calls and its workspace's hand-backs."""
+
+    def __init__(self, weights, events):
+        super().__init__(weights, _correct)
+        self.events = events
+
+    def __call__(self, x, topk_ids, topk_weights, out=None):
+        self.events.append(("call", x.shape[0]))
+        return super().__call__(x, topk_ids, topk_weights, out=out)
+
+    def release_workspace(self):
+        self.events.append(("release",))
+
+
+def test_the_check_hands_the_workspace_back_and_unpacks_each_expert_once_per_batch(monkeypatch):
+    weights = quant.random_weights(ODD, "cpu", seed=2)
+    events = []
+    real_reference = backends.reference_moe
+
+    def reference(weights, x, topk_ids, topk_weights, slice_rows=None):
+        events.append(("reference", x.shape[0]))
+        return real_reference(weights, x, topk_ids, topk_weights, slice_rows)
+
+    monkeypatch.setattr(backends, "reference_moe", reference)
+    recorder = _Recorder()
+    cli.check_correctness(_Settings([1, 2, 4, 8, 16]), _Releasing(weights, events), weights, torch.float32,
+                          torch.device("cpu"), recorder)
+    # Every M's call, then the workspace handed back, then one reference over all their rows.
+    assert events == [("call", 1), ("call", 3), ("call", 4), ("call", 8), ("call", 16), ("release",),
+                      ("reference", 32)]
+    assert [c["m"] for c in recorder.checks] == [1, 3, 4, 8, 16]
+    assert all(c["ok"] and c["worst_row_rel_err"] < 1e-5 for c in recorder.checks)
+
+
+def test_the_reference_in_slices_and_in_batches_is_each_ms_own_reference():
+    weights = quant.random_weights(K26_LIKE, "cpu", seed=3)
+    first = inputs(K26_LIKE, 40, torch.bfloat16, seed=4)
+    second = inputs(K26_LIKE, 7, torch.bfloat16, seed=5)
+    whole = backends.reference_moe(weights, *first)
+    torch.testing.assert_close(backends.reference_moe(weights, *first, slice_rows=3), whole, rtol=1e-6, atol=1e-6)
+    batch = backends.reference_moe(weights, *(torch.cat(pair) for pair in zip(first, second)), slice_rows=5)
+    torch.testing.assert_close(batch[:40], whole, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(batch[40:], backends.reference_moe(weights, *second), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("defect", [_leave_last_row_unwritten, _drop_the_last_expert_of_each_token])
 def test_check_stops_a_wrong_backend(defect):
     weights = quant.random_weights(ODD, "cpu", seed=2)

@@ -50,6 +50,37 @@ def test_a_backend_holding_fewer_experts_makes_every_compile_time_choice_of_its_
                                   layer=layer)
 
 
+def test_a_released_workspace_is_made_again_at_its_sizes_and_the_output_is_unchanged():
+    triton_moe = pytest.importorskip("moe_bench.triton_moe")
+    import torch
+
+    layer = quant.MoEShape(experts=32, hidden=128, inter=64, topk=2, group_size=32)
+    held = dataclasses.replace(layer, experts=16)
+    weights = quant.random_weights(held, "cpu", seed=0)
+    moe = triton_moe.TritonW4A16MoE(weights, 8, layer=layer)
+    generator = torch.Generator().manual_seed(1)
+    from moe_bench.cli import make_inputs
+
+    x, topk_ids, topk_weights = make_inputs(held, 8, torch.float32, "cpu", generator)
+    first = moe(x, topk_ids, topk_weights).clone()
+    sizes = {name: tuple(buffer.shape) for name, buffer in moe._workspace[torch.float32].items()}
+    moe.release_workspace()
+    assert moe._workspace == {}
+    assert torch.equal(moe(x, topk_ids, topk_weights), first)
+    assert {name: tuple(buffer.shape) for name, buffer in moe._workspace[torch.float32].items()} == sizes
+
+
+def test_the_rehearsals_check_holds_at_most_its_largest_m_and_a_runs_check_is_one_pass():
+    assert perfmodel.check_batch_rows(2048, rehearse=True) == 2048
+    assert perfmodel.check_batch_rows(2048) == perfmodel.CHECK_BATCH_ROWS >= 1 + 3 + 4 + 8 + 512 + 1024 + 2048
+    # The estimate covers one largest-M batch with its reference, the expert unpacked in float32.
+    held = dataclasses.replace(KIMI, experts=16)
+    assert perfmodel.check_bytes(held, 2048) > 3 * KIMI.hidden * KIMI.inter * 4 + 2048 * KIMI.hidden * (2 + 2 + 4)
+    estimate = perfmodel.rehearsal_estimate(held, "triton", 2048)
+    assert estimate["workspace_bytes"] >= perfmodel.check_bytes(held, 2048)
+    assert estimate["total_mib"] <= perfmodel.REHEARSAL_BUDGET_MIB
+
+
 def test_the_rehearsal_picks_the_most_experts_that_fit_and_none_when_topk_does_not():
     shape_of = lambda e: dataclasses.replace(KIMI, experts=e)  # noqa: E731
     candidates = quant.rehearsal_expert_counts(KIMI)
