@@ -31,7 +31,7 @@ for spec in "$@"; do
   wait $pid; rc=$?
   t1=$(date +%s.%N)
   awk -F', ' 'BEGIN{m=0} {if ($2>m) m=$2} END{print m}' "$OUT/${name}_samples.csv" > "$OUT/${name}_peak.txt"
-  echo "$name rehearsal rc=$rc wall=$(echo "$t1 - $t0" | bc) s peak=$(cat "$OUT/${name}_peak.txt") MiB"
+  echo "$name rehearsal rc=$rc wall=$(awk "BEGIN{print $t1 - $t0}") s peak=$(cat "$OUT/${name}_peak.txt") MiB"
   find "$TRITON_CACHE_DIR" -type f | sort > "$OUT/${name}_cache_before.txt"
   t0=$(date +%s.%N)
   PYTHONPATH=$pkg python3 -m moe_bench --preset kimi-k2.6 --backend triton --device cuda:0 \
@@ -39,7 +39,7 @@ for spec in "$@"; do
   t1=$(date +%s.%N)
   find "$TRITON_CACHE_DIR" -type f | sort > "$OUT/${name}_cache_after.txt"
   comm -13 "$OUT/${name}_cache_before.txt" "$OUT/${name}_cache_after.txt" > "$OUT/${name}_newfiles.txt"
-  echo "$name full rc=$rc wall=$(echo "$t1 - $t0" | bc) s new cache files $(wc -l < "$OUT/${name}_newfiles.txt")"
+  echo "$name full rc=$rc wall=$(awk "BEGIN{print $t1 - $t0}") s new cache files $(wc -l < "$OUT/${name}_newfiles.txt")"
   PROBE_OUT=$OUT/${name}_probe.json PYTHONPATH=$pkg python3 "$PROBE" --rehearse --preset kimi-k2.6 --backend triton \
       --device cuda:0 --out "$OUT/${name}_probe_rehearsal.json" > "$OUT/${name}_probe.log" 2>&1
   echo "$name probe rc=$?"; grep " s " "$OUT/${name}_probe.log" | tail -40
