@@ -56,8 +56,18 @@ options:
     description: Seconds between two looks at the status file while O(wait_s) runs.
     type: float
     default: 0.25
+  record_file:
+    description:
+      - A file that keeps O(record) on the host (the job id for a later controller to re-attach
+        to). Written before the first look, atomically (a temporary file renamed over it), mode
+        0600, only when it does not exist yet - a re-attached run keeps the first record. Saves
+        the launching run a separate write between the launch and the first poll.
+    type: path
+  record:
+    description: What O(record_file) keeps (JSON); required with O(record_file).
+    type: dict
 notes:
-  - Supports check mode (it only reads).
+  - Supports check mode - it only reads then (no O(record_file) is written).
 seealso:
   - module: ansible.builtin.async_status
 """
@@ -143,10 +153,15 @@ waited_s:
   description: Seconds this call waited on the host (at most O(wait_s)).
   returned: always
   type: float
+record_written:
+  description: Whether this call wrote O(record_file) (false when it existed or none was asked for).
+  returned: always
+  type: bool
 """
 
 import json
 import os
+import tempfile
 import time
 
 from ansible.module_utils.basic import AnsibleModule
@@ -228,6 +243,27 @@ def results_progress(path):
     return completed, total, status
 
 
+def write_record(path, record):
+    """Write record (JSON) to path unless it exists: a temporary file beside it, mode 0600,
+    renamed over it. True when written."""
+    if os.path.exists(path):
+        return False
+    folder = os.path.dirname(path) or "."
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".%s." % os.path.basename(path))
+    try:
+        with os.fdopen(handle, "w") as out:
+            out.write(json.dumps(record, indent=4, sort_keys=True) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(temporary, 0o600)
+        os.rename(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+    return True
+
+
 def describe(job_missing, finished, rc, timed_out, job_msg, progress_line, completed, total, log):
     """The one progress sentence an operator sees while polling."""
     counts = " [%s/%s M done]" % (completed, total) if completed is not None and total else ""
@@ -256,7 +292,10 @@ def main():
             tail_lines=dict(type="int", default=30),
             wait_s=dict(type="float", default=0),
             check_interval_s=dict(type="float", default=0.25),
+            record_file=dict(type="path"),
+            record=dict(type="dict"),
         ),
+        required_by=dict(record_file=["record"]),
         supports_check_mode=True,
     )
     params = module.params
@@ -268,6 +307,13 @@ def main():
         module.fail_json(msg="wait_s must be 0 or more seconds, got %s" % params["wait_s"])
     if params["check_interval_s"] <= 0:
         module.fail_json(msg="check_interval_s must be more than 0 seconds, got %s" % params["check_interval_s"])
+
+    record_written = False
+    if params["record_file"] and not module.check_mode:
+        try:
+            record_written = write_record(params["record_file"], params["record"])
+        except (IOError, OSError) as error:
+            module.fail_json(msg="could not write the job record %s: %s" % (params["record_file"], to_text(error)))
 
     status_path = os.path.join(params["async_dir"], jid)
     started_wait = time.monotonic()
@@ -323,6 +369,7 @@ def main():
         results_status=results_status,
         log_tail=log_tail,
         waited_s=waited_s,
+        record_written=record_written,
     )
 
 

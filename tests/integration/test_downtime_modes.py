@@ -58,3 +58,33 @@ def test_never_and_auto_run_beside_the_live_service(simhost, run_playbook, resul
     assert manifest["stop"]["mode"] == "auto" and manifest["stop"]["beside"] is True
     assert manifest["stop"]["gpus_beside"][0]["index"] == 0 and manifest["stop"]["gpus_beside"][0]["free_mib"] > 0
     assert manifest["timeline"]["downtime_s"] is None
+
+
+def test_the_triton_rehearsal_runs_under_the_interpreter_beside_the_live_service(simhost, run_playbook, results_dir):
+    """The triton backend's rehearsal on the simulated host: Triton's interpreter (the bench venv
+    carries Triton) runs the payload's own kernels on the CPU, each configuration checked against
+    the reference, with the service serving throughout."""
+    before = simhost.unit_show()
+    since = simhost.epoch()
+    known = set(fetched_run_dirs(results_dir, simhost))
+    run = run_playbook(simhost, {"moe_bench_stop": "never", "moe_bench_rehearse": "required",
+                                 "moe_bench_backend": "triton",
+                                 # the interpreter computes bf16 dots wrongly: float16 on the CPU
+                                 "moe_bench_extra_args": ["--dtype", "float16"]})
+    assert run.rc == 0, run.describe()
+    print("triton rehearsal run: %.1f s" % run.wall_s)
+    assert "moe_bench_stop is never: only the rehearsal ran" in " ".join(run.stdout.split()), run.describe()
+    assert_service_untouched(simhost, before, since)
+    (run_dir,) = [d for d in fetched_run_dirs(results_dir, simhost) if d not in known]
+    rehearsal = json.loads((run_dir / "rehearsal.json").read_text())
+    assert rehearsal["status"] == "complete", rehearsal.get("error")
+    assert rehearsal["config"]["backend"] == "triton" and rehearsal["config"]["dtype"] == "float16"
+    assert rehearsal["environment"]["triton"] and rehearsal["environment"]["device"] == "cpu"
+    assert rehearsal["rehearsal"]["reduced"] is True
+    # Every M was checked through one of the Triton kernels' paths (the torch backend's is
+    # "looped-experts"), then timed.
+    checks = rehearsal["correctness"]
+    # (the check adds an odd M of its own: 3)
+    assert {1, 2, 4, 8} <= {check["m"] for check in checks} and all(check["ok"] for check in checks), checks
+    assert all(check["config"]["path"] in ("one-row", "tensor-core") for check in checks), checks
+    assert [r["m"] for r in rehearsal["results"]] == [1, 2, 4, 8]

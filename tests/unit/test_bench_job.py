@@ -148,6 +148,33 @@ def test_check_mode_reads(job):
     assert result["finished"] is True and result["exit_code"] == 0
 
 
+def test_the_first_look_keeps_the_job_record_and_never_replaces_it(job, tmp_path):
+    record_file = tmp_path / "job.json"
+    job["status_path"].write_text(json.dumps({"started": True, "finished": False, "ansible_job_id": JID}))
+    first = poll(job, record_file=str(record_file), record={"jid": JID, "limit_s": 60})
+    assert first["record_written"] is True and first["finished"] is False
+    assert json.loads(record_file.read_text()) == {"jid": JID, "limit_s": 60}
+    assert record_file.stat().st_mode & 0o777 == 0o600
+    # A later look (or a re-attached run) leaves the first record as it is.
+    second = poll(job, record_file=str(record_file), record={"jid": "j-other"})
+    assert second["record_written"] is False and json.loads(record_file.read_text())["jid"] == JID
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".job.json")) == []
+
+
+def test_the_job_record_needs_its_content_and_is_not_written_in_check_mode(job, tmp_path):
+    record_file = tmp_path / "job.json"
+    job["status_path"].write_text(json.dumps({"rc": 0}))
+    assert "record" in poll(job, record_file=str(record_file))["msg"]
+    result = poll(job, record_file=str(record_file), record={"jid": JID}, _ansible_check_mode=True)
+    assert result["record_written"] is False and not record_file.exists()
+
+
+def test_a_record_that_cannot_be_written_fails_with_its_path(job, tmp_path):
+    result = poll(job, record_file=str(tmp_path / "missing-folder" / "job.json"), record={"jid": JID})
+    assert result["failed"] is True and "could not write the job record" in result["msg"]
+    assert "missing-folder/job.json" in result["msg"]
+
+
 FAKE_PAYLOAD = r'''#!{python}
 """Stands in for the benchmark payload: progress lines and an incrementally written results file."""
 import json, os, sys, time
