@@ -66,6 +66,9 @@ RELATIVE_ERROR_BOUND = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 2e-3}
 # Test hook, not an operator option: raise a runtime failure when this M is reached, so tests
 # can show that a crash mid-run leaves the finished M on disk.
 _FAULT_INJECTION_ENV = "MOE_BENCH_INTERNAL_FAIL_AT_M"
+# Test hook: the backend's output at this M is made wrong (its last row negated and shifted)
+# before the correctness check compares it, so the check's failure path runs end to end.
+_WRONG_RESULT_ENV = "MOE_BENCH_INTERNAL_WRONG_AT_M"
 
 
 class HarnessError(Exception):
@@ -507,6 +510,7 @@ def check_correctness(settings: Settings, backend, weights, dtype, device, write
     shape = settings.shape
     generator = torch.Generator(device=device)
     rows = perfmodel.check_batch_rows(max(settings.m_list), _rehearsing(settings))
+    wrong_at = os.environ.get(_WRONG_RESULT_ENV)
     for batch in check_batches(check_ms(settings, backend), rows):
         calls = []
         for m in batch:
@@ -523,6 +527,8 @@ def check_correctness(settings: Settings, backend, weights, dtype, device, write
             if tuple(out.shape) != (m, shape.hidden):
                 raise CorrectnessFailure(f"backend {backend.name} returned shape {tuple(out.shape)} for M={m}, "
                                          f"expected {(m, shape.hidden)}")
+            if wrong_at is not None and m == int(wrong_at):
+                out[-1].neg_().add_(1.0)
             calls.append((m, x, topk_ids, topk_weights, out, call_s))
         _release_workspace(backend, settings, device)
         # One M alone (a rehearsal's largest) is not copied: its inputs are the batch's.

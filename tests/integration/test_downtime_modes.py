@@ -88,3 +88,25 @@ def test_the_triton_rehearsal_runs_under_the_interpreter_beside_the_live_service
     assert {1, 2, 4, 8} <= {check["m"] for check in checks} and all(check["ok"] for check in checks), checks
     assert all(check["config"]["path"] in ("one-row", "tensor-core") for check in checks), checks
     assert [r["m"] for r in rehearsal["results"]] == [1, 2, 4, 8]
+
+
+def test_a_rehearsal_that_computes_wrongly_refuses_the_host_before_anything_is_stopped(simhost, run_playbook):
+    """A rehearsal whose check fails (the payload's test hook makes M=2's output wrong): the
+    host is refused in the preflight with the M, the tile configuration and the error, and the
+    service keeps serving: no stop, no dead-man timer, no lock, no benchmark launched."""
+    before = simhost.unit_show()
+    since = simhost.epoch()
+    simhost.set_payload_env(MOE_BENCH_INTERNAL_WRONG_AT_M=2)
+    run = run_playbook(simhost, {"moe_bench_rehearse": "true"})
+    assert run.rc != 0, run.describe()
+    text = " ".join(run.stdout.split())
+    assert "The rehearsal failed on %s (exit code 4 (correctness)): backend torch is wrong at M=2 (tile config" % (
+        simhost.name) in text, run.describe()
+    assert "(rehearsal with 8 of the layer's 16 experts)" in text, run.describe()
+    assert "was not touched and is still serving; nothing was stopped" in text, run.describe()
+    assert_service_untouched(simhost, before, since)
+    (run_id,) = simhost.run_ids()
+    rehearsal = simhost.read_json("%s/runs/%s/rehearsal.json" % (STATE_DIR, run_id))
+    assert rehearsal["status"] == "failed" and rehearsal["error"]["kind"] == "correctness", rehearsal
+    assert [(c["m"], c["ok"]) for c in rehearsal["correctness"]][-1] == (2, False), rehearsal["correctness"]
+    assert "job.json" not in simhost.run_files(run_id) and not simhost.payload_pids()

@@ -122,6 +122,21 @@ def test_a_torch_rehearsal_checks_and_times_every_m_with_fewer_experts(run_paylo
     assert loaded["gpu_at_start"] is None  # the CPU: no GPU to describe
 
 
+def test_a_rehearsal_with_a_wrong_result_names_the_m_and_the_configuration_and_times_nothing(
+        run_payload, without_triton, tmp_path):
+    out = tmp_path / "rehearsal.json"
+    result = run_payload("--rehearse", "--device", "cpu", "--backend", "torch", "--preset", "tiny",
+                         "--m-list", "1,4,8", "--out", str(out), path_first=without_triton,
+                         env_extra={"MOE_BENCH_INTERNAL_WRONG_AT_M": "4"})
+    assert result.returncode == 4, result.stdout + result.stderr  # EXIT_CORRECTNESS
+    loaded = load_results(out)
+    assert loaded["status"] == "failed" and loaded["error"]["kind"] == "correctness" and loaded["results"] == []
+    message = loaded["error"]["message"]
+    assert "is wrong at M=4 (tile config {" in message and "no timing was done" in message, message
+    assert "(rehearsal with 8 of the layer's 16 experts)" in message, message
+    assert [(c["m"], c["ok"]) for c in loaded["correctness"]] == [(1, True), (3, True), (4, False)]
+
+
 def test_a_rehearsal_that_cannot_fit_topk_experts_runs_nothing_and_says_so(run_payload, without_triton, tmp_path):
     out = tmp_path / "rehearsal.json"
     result = run_payload("--rehearse", "--rehearse-budget-mib", "0.001", "--device", "cpu", "--backend", "torch",
