@@ -56,7 +56,12 @@ def test_every_role_input_is_wired_in_one_place_and_exists_in_the_roles_spec():
     for playbook in ("moe_bench.yml", "service_recover.yml"):
         plays = yaml.safe_load((REPO / "playbooks" / playbook).read_text())
         for play in plays:
-            assert "vars/roles.yml" in (play.get("vars_files") or []), "%s does not load vars/roles.yml" % playbook
+            # Loaded once per host by the play's first task (include_vars), not as vars_files.
+            first = (play.get("tasks") or [{}])[0]
+            assert (first.get("ansible.builtin.include_vars") or {}).get("file") == "vars/roles.yml", (
+                "%s: the play %r does not load vars/roles.yml first" % (playbook, play.get("name")))
+            assert "always" in first.get("tags", []), "%s: loading vars/roles.yml must be tagged always" % playbook
+            assert not play.get("vars_files"), "%s: vars/roles.yml is loaded with include_vars, not vars_files" % playbook
             leaked = sorted(name for name in (play.get("vars") or {}) if not name.startswith("__"))
             assert not leaked, "%s sets role inputs outside vars/roles.yml: %s" % (playbook, leaked)
 
