@@ -161,11 +161,11 @@ record_written:
 
 import json
 import os
-import tempfile
 import time
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.text.converters import to_text
+from ansible.module_utils.run_files import write_private
 
 PROGRESS_PREFIX = "[moe_bench]"
 # Progress lines are short; the end of the log is enough and keeps each poll cheap on a long log.
@@ -244,23 +244,10 @@ def results_progress(path):
 
 
 def write_record(path, record):
-    """Write record (JSON) to path unless it exists: a temporary file beside it, mode 0600,
-    renamed over it. True when written."""
+    """Write record (JSON, mode 0600, atomically) to path unless it exists. True when written."""
     if os.path.exists(path):
         return False
-    folder = os.path.dirname(path) or "."
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".%s." % os.path.basename(path))
-    try:
-        with os.fdopen(handle, "w") as out:
-            out.write(json.dumps(record, indent=4, sort_keys=True) + "\n")
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(temporary, 0o600)
-        os.rename(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
+    write_private(path, json.dumps(record, indent=4, sort_keys=True) + "\n")
     return True
 
 

@@ -106,6 +106,7 @@ import re
 import time
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.run_files import write_private
 from ansible.module_utils.systemd_unit import RUNNING_STATES, read_units
 
 
@@ -124,12 +125,7 @@ def _write_record(module, params, name, record):
     run_dir = os.path.join(params["state_dir"], "runs", params["run_id"])
     if not os.path.isdir(run_dir):
         os.makedirs(run_dir, mode=0o700, exist_ok=True)
-    path = os.path.join(run_dir, name)
-    temporary = "%s.tmp-%d" % (path, os.getpid())
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(json.dumps(record, indent=4, sort_keys=True) + "\n")
-    os.rename(temporary, path)
+    write_private(os.path.join(run_dir, name), json.dumps(record, indent=4, sort_keys=True) + "\n")
 
 
 def _systemctl(module, *args, check=True):

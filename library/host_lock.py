@@ -111,6 +111,7 @@ import json
 import os
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.run_files import write_private
 
 
 def _read_json(path):
@@ -119,15 +120,6 @@ def _read_json(path):
             return json.load(handle)
     except (OSError, ValueError):
         return None
-
-
-def _write_private(path, text):
-    """Write text to path (0600), through a temporary file renamed over it."""
-    temporary = "%s.tmp-%d" % (path, os.getpid())
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.rename(temporary, path)
 
 
 def _private_dir(path):
@@ -156,7 +148,7 @@ def take(module, params):
     record = dict(params["record"])
     record["run_id"] = active
     candidate = "%s.%s" % (lock, active)
-    _write_private(candidate, json.dumps(record, indent=4, sort_keys=True) + "\n")
+    write_private(candidate, json.dumps(record, indent=4, sort_keys=True) + "\n")
     try:
         if stale:
             os.rename(candidate, lock)
@@ -177,7 +169,7 @@ def take(module, params):
             lock=holder, **{key: value for key, value in result.items() if key != "changed"})
     _private_dir(run_dir)
     plan_name = "plan.reattach.json" if reattach else "plan.json"
-    _write_private(os.path.join(run_dir, plan_name), json.dumps(params["plan"], indent=4, sort_keys=True) + "\n")
+    write_private(os.path.join(run_dir, plan_name), json.dumps(params["plan"], indent=4, sort_keys=True) + "\n")
     # current -> runs/<active>, replaced atomically.
     current = os.path.join(state_dir, "current")
     link = "%s.tmp-%d" % (current, os.getpid())

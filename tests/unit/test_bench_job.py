@@ -158,7 +158,7 @@ def test_the_first_look_keeps_the_job_record_and_never_replaces_it(job, tmp_path
     # A later look (or a re-attached run) leaves the first record as it is.
     second = poll(job, record_file=str(record_file), record={"jid": "j-other"})
     assert second["record_written"] is False and json.loads(record_file.read_text())["jid"] == JID
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".job.json")) == []
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("job.json.tmp")) == []
 
 
 def test_the_job_record_needs_its_content_and_is_not_written_in_check_mode(job, tmp_path):
