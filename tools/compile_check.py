@@ -98,7 +98,8 @@ def compile_gemv(which: int, g: dict, group: int = 32, *, target=None, topk: int
     constants = dict(TOPK=topk, GROUP=group, BLOCK_N=g["bn"], BLOCK_KW=g["bkw"], GATE_UP=which == 1,
                      CONVERT_ASM=bool(g.get("asm", False)), INTER_DTYPE=tm.tl.bfloat16,
                      BY_EXPERT=bool(g.get("sort", False) if by_expert is None else by_expert),
-                     RAW_A=which == 1 and bool(g.get("fx", False)), SUM_TOPK=which == 2 and bool(g.get("fsum", False)))
+                     RAW_A=which == 1 and bool(g.get("fx", False)), SUM_TOPK=which == 2 and bool(g.get("fsum", False)),
+                     PREFETCH=bool(g.get("pf", False)))
     if constants["SUM_TOPK"]:
         constants["BY_EXPERT"] = False  # a token's slots in their own order (TritonW4A16MoE.gemv2)
     for name in constants:

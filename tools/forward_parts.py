@@ -108,7 +108,7 @@ def main() -> int:
             print(f"round {rnd} {name:6s} full {res['full']:7.0f} us  parts {res['parts']:7.0f} (align {res['align']:.0f}"
                   f" gemm1 {res['gemm1']:.0f} gemm2 {res['gemm2']:.0f} sum {res['sum']:.0f})  GPU after: "
                   f"{res['gpu_after']}", flush=True)
-    # The harness's own timing of the shipped row (one graph per routing, events per replay).
+    # The harness's own timing of the shipped row (moe_bench.timing.time_cuda).
     for inst in insts:
         inst.table = tm.TILE_TABLE
         inst._overlap.clear()

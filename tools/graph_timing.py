@@ -1,12 +1,13 @@
 """An independent timing of the triton backend's forward, beside the harness's own (issue 17).
 
-The harness (moe_bench.timing) captures one CUDA graph per routing and takes the median of
-event-timed replays of single forwards. This script measures another way: per M, one CUDA
-graph of 8 forwards over 8 different routings, replayed many times, timed with a pair of
-events around each replay; the figure is the mean per forward (replay time / 8), the median
-over replays. No event sits between two forwards, so nothing of the launch gaps the harness
-sees between its replays enters here, and consecutive forwards read different expert sets
-(the L2 cannot hold one M=1 set of kimi-k2.6's experts, let alone 8).
+The harness (moe_bench.timing) times a forward inside one CUDA graph of a forward per routing
+(since round 18; before, one graph per routing, each replay carrying a graph launch's gap), in
+batches of replays led by an untimed one, from its own inputs and through the backend as the
+payload calls it. This script measures on its own: per M, one CUDA graph of 8 forwards over 8
+different routings of its own, replayed many times, timed with a pair of events around each
+replay; the figure is the mean per forward (replay time / 8), the median over replays.
+Consecutive forwards read different expert sets (the L2 cannot hold one M=1 set of kimi-k2.6's
+experts, let alone 8).
 
 Every M is checked against the float32 reference (moe_bench.backends.reference_moe) on
 fresh inputs, with the workspace and output poisoned, before it is timed; an M that fails is
@@ -15,8 +16,9 @@ agree within --agree-pct (5%), else the exit code is 1. Two ways to get the harn
   --harness       the harness runs first, whole, in the same process (same preset, shape, M
                   list and seed; its results JSON to --harness-out), then this script;
   --interleave R  per M, R rounds of the harness's own timing routine (moe_bench.cli.time_one_m,
-                  on the backend this script times) alternating with this script's; each
-                  side's median over the rounds is compared. At large M the H200 reaches its
+                  on the backend this script times) alternating with this script's, the harness
+                  first in even rounds and second in odd ones; each side's median over the
+                  rounds is compared. At large M the H200 reaches its
                   power limit within a second and the clock then depends on what ran just
                   before (PERFORMANCE.md): measured a minute apart, the two ways differed by up
                   to 10% in either direction at some M (round 15), interleaved they measure
@@ -208,10 +210,16 @@ def main(argv=None) -> int:
         row = dict(m=m, rel_err=error, ok=ok)
         if ok and settings is not None:
             rounds = []
-            for _ in range(args.interleave):
-                _, harness_timing = cli.time_one_m(settings, backend, m, activation_dtype(device), device)
-                rounds.append((harness_timing.us, graph_time_us(moe, shape, m, device, args.seed, args.replays,
-                                                                args.budget_s)))
+            for index in range(args.interleave):
+                # The order alternates: whichever runs second finds the GPU warmer (its clock falls
+                # as it nears the power limit), so a fixed order biases the comparison.
+                if index % 2:
+                    graph = graph_time_us(moe, shape, m, device, args.seed, args.replays, args.budget_s)
+                    _, harness_timing = cli.time_one_m(settings, backend, m, activation_dtype(device), device)
+                else:
+                    _, harness_timing = cli.time_one_m(settings, backend, m, activation_dtype(device), device)
+                    graph = graph_time_us(moe, shape, m, device, args.seed, args.replays, args.budget_s)
+                rounds.append((harness_timing.us, graph))
             row.update(rounds[len(rounds) // 2][1] if len(rounds) % 2 else rounds[0][1])
             row["us"] = statistics.median(graph["us"] for _, graph in rounds)
             row["graph_rounds_us"] = [graph["us"] for _, graph in rounds]

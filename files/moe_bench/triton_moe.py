@@ -653,6 +653,32 @@ def _word_order_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, CHUNKS: tl.const
 
 
 @triton.jit
+def _word_acts(a_ptrs, KW, mask=None):
+    """The activations of _word_dot: positions 0-7 and the bias (8) of each word, [1, W] each."""
+    return (tl.load(a_ptrs, mask=mask), tl.load(a_ptrs + KW, mask=mask), tl.load(a_ptrs + 2 * KW, mask=mask),
+            tl.load(a_ptrs + 3 * KW, mask=mask), tl.load(a_ptrs + 4 * KW, mask=mask),
+            tl.load(a_ptrs + 5 * KW, mask=mask), tl.load(a_ptrs + 6 * KW, mask=mask),
+            tl.load(a_ptrs + 7 * KW, mask=mask), tl.load(a_ptrs + 8 * KW, mask=mask))
+
+
+@triton.jit
+def _word_dot_of(w, acts, CONVERT_ASM: tl.constexpr):
+    """_word_dot with its activations already loaded (_word_acts): the prefetching loop loads
+    them a step ahead."""
+    a0, a1, a2, a3, a4, a5, a6, a7, bias = acts
+    n0, n1, n2, n3, n4, n5, n6, n7 = _word_nibbles(w, CONVERT_ASM)
+    p = bias + n0 * a0
+    p += n1 * a1
+    p += n2 * a2
+    p += n3 * a3
+    p += n4 * a4
+    p += n5 * a5
+    p += n6 * a6
+    p += n7 * a7
+    return p
+
+
+@triton.jit
 def _word_dot(w, a_ptrs, KW, CONVERT_ASM: tl.constexpr):
     """sum over the 8 nibbles of each packed word w (uint32 [C, W]) of q * a: [C, W] float32.
 
@@ -660,16 +686,7 @@ def _word_dot(w, a_ptrs, KW, CONVERT_ASM: tl.constexpr):
     (position t at + t * KW). The nibbles come out as 128 + u (low) and 2048 + u (high); the
     word's bias takes those offsets and the 8 of q = u - 8 off, so the result is exact up to
     float32 rounding."""
-    n0, n1, n2, n3, n4, n5, n6, n7 = _word_nibbles(w, CONVERT_ASM)
-    p = tl.load(a_ptrs + 8 * KW) + n0 * tl.load(a_ptrs)
-    p += n1 * tl.load(a_ptrs + KW)
-    p += n2 * tl.load(a_ptrs + 2 * KW)
-    p += n3 * tl.load(a_ptrs + 3 * KW)
-    p += n4 * tl.load(a_ptrs + 4 * KW)
-    p += n5 * tl.load(a_ptrs + 5 * KW)
-    p += n6 * tl.load(a_ptrs + 6 * KW)
-    p += n7 * tl.load(a_ptrs + 7 * KW)
-    return p
+    return _word_dot_of(w, _word_acts(a_ptrs, KW), CONVERT_ASM)
 
 
 @triton.jit
@@ -700,7 +717,8 @@ def _raw_word_dot(w, x_ptrs, CONVERT_ASM: tl.constexpr):
 
 @triton.jit
 def _gemv_acc(acc, a_row, w_base, s_base, cols, K, stride_wt, stride_sg,
-              GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, RAW_A: tl.constexpr, CONVERT_ASM: tl.constexpr):
+              GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, RAW_A: tl.constexpr, CONVERT_ASM: tl.constexpr,
+              PREFETCH: tl.constexpr = False):
     """acc ([C, BLOCK_KW // 4] float32) plus the columns cols of one expert's
     packed weights (w_base, s_base: that expert's words and scales) dotted with one activation
     row over all of K: a_row points at the row in the operand order of _store_word_order, or,
@@ -719,18 +737,40 @@ def _gemv_acc(acc, a_row, w_base, s_base, cols, K, stride_wt, stride_sg,
         a_ptrs = a_row + offs_w[None, :]
     s_ptrs = s_base + cols[:, None]
     offs_ch = tl.arange(0, CHUNKS)
-    for kw in range(0, KW, BLOCK_KW):
-        # kw is a multiple of BLOCK_KW (a multiple of 4): a step never crosses a block's end,
-        # and the shift is a multiple of 4 words (16-byte loads).
-        w = tl.load(w_ptrs + (kw // 8) * 256 + (kw // 4 % 2) * 4).to(tl.uint32, bitcast=True)
-        if RAW_A:
-            p = _raw_word_dot(w, a_ptrs + kw * 8, CONVERT_ASM)
-        else:
-            p = _word_dot(w, a_ptrs + kw, KW, CONVERT_ASM)
-        chunk_sum = tl.sum(tl.reshape(p, (cols.shape[0], CHUNKS, 4)), axis=2)
-        g = (kw * 8 + offs_ch * 32) // GROUP
-        s = tl.load(s_ptrs + g[None, :] * stride_sg).to(tl.float32)
-        acc += s * chunk_sum
+    if PREFETCH and not RAW_A:
+        # Register double buffering: the next step's words, scales and activations are loaded
+        # before this step's arithmetic, so each warp keeps its loads in flight while it
+        # converts and multiplies (the loop has no other overlap: its loads feed no dot, so
+        # Triton's pipeliner leaves them alone whatever num_stages says).
+        w = tl.load(w_ptrs).to(tl.uint32, bitcast=True)
+        s = tl.load(s_ptrs + ((offs_ch * 32) // GROUP)[None, :] * stride_sg)
+        acts = _word_acts(a_ptrs, KW)
+        for kw in range(0, KW, BLOCK_KW):
+            nk = kw + BLOCK_KW
+            more = (nk + 0 * offs_w)[None, :] < KW  # a tensor mask (the interpreter takes no scalar one)
+            w_next = tl.load(w_ptrs + (nk // 8) * 256 + (nk // 4 % 2) * 4, mask=more).to(tl.uint32, bitcast=True)
+            s_next = tl.load(s_ptrs + ((nk * 8 + offs_ch * 32) // GROUP)[None, :] * stride_sg,
+                             mask=(nk + 0 * offs_ch)[None, :] < KW)
+            acts_next = _word_acts(a_ptrs + nk, KW, more)
+            p = _word_dot_of(w, acts, CONVERT_ASM)
+            chunk_sum = tl.sum(tl.reshape(p, (cols.shape[0], CHUNKS, 4)), axis=2)
+            acc += s.to(tl.float32) * chunk_sum
+            w = w_next
+            s = s_next
+            acts = acts_next
+    else:
+        for kw in range(0, KW, BLOCK_KW):
+            # kw is a multiple of BLOCK_KW (a multiple of 4): a step never crosses a block's end,
+            # and the shift is a multiple of 4 words (16-byte loads).
+            w = tl.load(w_ptrs + (kw // 8) * 256 + (kw // 4 % 2) * 4).to(tl.uint32, bitcast=True)
+            if RAW_A:
+                p = _raw_word_dot(w, a_ptrs + kw * 8, CONVERT_ASM)
+            else:
+                p = _word_dot(w, a_ptrs + kw, KW, CONVERT_ASM)
+            chunk_sum = tl.sum(tl.reshape(p, (cols.shape[0], CHUNKS, 4)), axis=2)
+            g = (kw * 8 + offs_ch * 32) // GROUP
+            s = tl.load(s_ptrs + g[None, :] * stride_sg).to(tl.float32)
+            acc += s * chunk_sum
     return acc
 
 
@@ -761,6 +801,7 @@ def _gemv_kernel(
     BY_EXPERT: tl.constexpr,
     RAW_A: tl.constexpr = False,
     SUM_TOPK: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     """One slot x BLOCK_N output columns, reduced over all of K.
 
@@ -789,7 +830,7 @@ def _gemv_kernel(
             expert = tl.load(topk_ids_ptr + slot).to(tl.int64)
             acc = _gemv_acc(tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32), a_ptr + slot * stride_am,
                             w_ptr + expert * stride_we, s_ptr + expert * stride_se, cols, K, stride_wt, stride_sg,
-                            GROUP, BLOCK_KW, False, CONVERT_ASM)
+                            GROUP, BLOCK_KW, False, CONVERT_ASM, PREFETCH)
             total += tl.sum(acc, axis=1) * tl.load(topk_weights_ptr + slot)
         tl.store(out_ptr + token * stride_om + cols, total.to(out_ptr.dtype.element_ty))
         return
@@ -807,7 +848,7 @@ def _gemv_kernel(
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((cols.shape[0], CHUNKS), dtype=tl.float32)
     acc = _gemv_acc(acc, a_ptr + row * stride_am, w_ptr + expert * stride_we, s_ptr + expert * stride_se, cols, K,
-                    stride_wt, stride_sg, GROUP, BLOCK_KW, RAW_A, CONVERT_ASM)
+                    stride_wt, stride_sg, GROUP, BLOCK_KW, RAW_A, CONVERT_ASM, PREFETCH)
     res = tl.sum(acc, axis=1)
     if GATE_UP:
         gate, up = tl.split(tl.trans(tl.reshape(res, (2, BLOCK_N))))
@@ -845,7 +886,11 @@ def _gemv_kernel(
 # launches once slots start to share experts; fx (GEMM1): x's rows read as they are, no
 # word-order launch; fsum (GEMM2): a program per token's columns over its top-k slots, no top-k
 # sum launch, bn in runs of 16. Both lost at kimi-k2.6 M=1-32 (PERFORMANCE.md round 17: the
-# scattered activation loads and the serial slots cost more than the launches): no row uses them.
+# scattered activation loads and the serial slots cost more than the launches): no row uses them;
+# pf: each step's words, scales and activations loaded one step ahead into registers (register
+# double buffering), so a warp's loads stay in flight while it converts and multiplies: at
+# kimi-k2.6 M=1 82.5 -> 76.3 us, --tp 8 M=1 40.3 -> 32.3 us (PERFORMANCE.md round 18); with it
+# bkw 32 (GEMM1 127 registers: four programs per SM), or 64 on small grids (fit_to_device).
 # The rows' tiles were chosen on one H200 at the kimi-k2.6 shape with `tools/kernel_sweep.py
 # --variants` (every candidate checked against the float32 reference, then each GEMM timed
 # alone); which row runs at which M is decided by slots per expert (see "Tiles by shape and
@@ -853,8 +898,8 @@ def _gemv_kernel(
 # PERFORMANCE.md round 15). Swapped (warp-group MMA) rows run overlapped where their compiled
 # code passes the race check (TritonW4A16MoE._launch, moe_bench.sass), else serialised.
 ONE_ROW = dict(block_m=1,
-               g1=dict(gemv=True, bn=32, bkw=64, warps=4, stages=1, asm=True),
-               g2=dict(gemv=True, bn=64, bkw=64, warps=4, stages=1, asm=True))
+               g1=dict(gemv=True, bn=32, bkw=32, warps=4, stages=1, asm=True, pf=True),
+               g2=dict(gemv=True, bn=64, bkw=32, warps=4, stages=1, asm=True, pf=True))
 # The tensor-core rows: GEMM1 gate and up as one tile, both GEMMs swapped (warp-group MMA
 # with the weights in registers); block_m 64 steps GEMM1 by 64 K values instead of 128.
 _GEMM1_BK128 = dict(bn=64, bk=128, warps=4, stages=3, post=False, whole=True, swap=True, split=1, asm=True, gu=True)
@@ -975,7 +1020,8 @@ def _fit(gemm: dict, k: int, n: int, group: int) -> dict:
 # (table_by_slots_per_expert). Then the device, read at run time (device_limits), adjusts a
 # row (fit_to_device): GEMM1 (the one-row kernels' and, on layers of few column tiles and slots
 # per expert, the block_m 16 one) takes bn 32 instead of 64 when bn 64 would give fewer than four
-# programs per SM, and a tensor-core row's stages drop until its
+# programs per SM (and the prefetching one-row GEMM1 takes 64 words a step on grids of fewer than
+# three programs per SM), and a tensor-core row's stages drop until its
 # pipelined tiles fit the device's shared memory (an sm_120 or sm_89 block gets 99 KB, an
 # H100/H200 227 KB).
 
@@ -1026,6 +1072,14 @@ def fit_to_device(cfg: dict, limits: DeviceLimits | None, shape: quant.MoEShape,
         while g1["bn"] > 32 and m * shape.topk * (shape.inter // g1["bn"]) < 4 * limits.sm_count \
                 and shape.inter % (g1["bn"] // 2) == 0:
             g1 = dict(g1, bn=g1["bn"] // 2)
+        # The prefetching GEMM1 (pf) on a grid of fewer than three programs per SM (the --tp 8
+        # shards at M <= 4, qwen3-235b-a22b M=1) takes 64 words a step: fewer programs per SM
+        # fit (168 registers), each with twice the bytes in flight. Measured (PERFORMANCE.md
+        # round 18): kimi-k2.6 --tp 8 M=1 32.3 against 37.6 us, qwen3-235b-a22b M=1 39.5 against
+        # 40.8; with more programs bkw 32 wins (kimi-k2.6 M=1, 512 programs: 76.3 against 85.4).
+        if g1.get("pf") and g1["bkw"] < 64 and m * shape.topk * (shape.inter // g1["bn"]) < 3 * limits.sm_count \
+                and (shape.hidden // 8) % 64 == 0:
+            g1 = dict(g1, bkw=64)
         cfg["g1"] = g1
         return cfg
     # GEMM1's programs on a block_m 16 row are blocks (about one per expert touched) times inter /
@@ -1576,7 +1630,7 @@ class TritonW4A16MoE:
             scales.stride(1), hw.stride(0),
             TOPK=shape.topk, GROUP=shape.group_size, BLOCK_N=g1["bn"], BLOCK_KW=g1["bkw"], GATE_UP=True,
             CONVERT_ASM=_asm_enabled(g1), INTER_DTYPE=_TL_DTYPES[x.dtype], BY_EXPERT=self._by_expert,
-            RAW_A=raw, num_warps=g1["warps"], num_stages=g1.get("stages", 1),
+            RAW_A=raw, PREFETCH=bool(g1.get("pf", False)), num_warps=g1["warps"], num_stages=g1.get("stages", 1),
         )
         self._hw = hw
 
@@ -1597,7 +1651,7 @@ class TritonW4A16MoE:
                 scales.stride(1), out.stride(0),
                 TOPK=shape.topk, GROUP=shape.group_size, BLOCK_N=g2["bn"], BLOCK_KW=g2["bkw"], GATE_UP=False,
                 CONVERT_ASM=_asm_enabled(g2), INTER_DTYPE=_TL_DTYPES[x.dtype], BY_EXPERT=False, SUM_TOPK=True,
-                num_warps=g2["warps"], num_stages=g2.get("stages", 1),
+                PREFETCH=bool(g2.get("pf", False)), num_warps=g2["warps"], num_stages=g2.get("stages", 1),
             )
             return out
         _, slot_buf = self._buffers(x.dtype)
@@ -1608,7 +1662,7 @@ class TritonW4A16MoE:
             scales.stride(1), slot_buf.stride(0),
             TOPK=shape.topk, GROUP=shape.group_size, BLOCK_N=g2["bn"], BLOCK_KW=g2["bkw"], GATE_UP=False,
             CONVERT_ASM=_asm_enabled(g2), INTER_DTYPE=_TL_DTYPES[x.dtype], BY_EXPERT=self._by_expert,
-            num_warps=g2["warps"], num_stages=g2.get("stages", 1),
+            PREFETCH=bool(g2.get("pf", False)), num_warps=g2["warps"], num_stages=g2.get("stages", 1),
         )
         return None
 

@@ -57,6 +57,26 @@ def test_fit_to_device_drops_stages_to_the_shared_memory_and_narrows_small_grids
     assert tm.fit_to_device(wide, tm.H200_LIMITS, shape, 64)["g1"]["bn"] == 64
 
 
+def test_fit_to_device_gives_the_prefetching_one_row_gemm1_longer_steps_on_small_grids():
+    """bkw 64 instead of 32 where GEMM1's grid (slots x inter / bn) has fewer than three
+    programs per SM: the --tp 8 shards up to M=4, qwen3-235b-a22b at M=1; not kimi-k2.6 --tp 1
+    (512 programs at M=1), nor a row without pf, nor on the CPU."""
+    def g1_bkw(name, tp, m, limits=tm.H200_LIMITS, row=tm.ONE_ROW):
+        shape = presets.PRESETS[name].shape(tp)
+        cfg = dict(tm._config_for(shape, m, [(1 << 62, row)]))
+        return tm.fit_to_device(cfg, limits, shape, m)["g1"]["bkw"]
+
+    assert tm.ONE_ROW["g1"]["bkw"] == 32
+    assert [g1_bkw("kimi-k2.6", 8, m) for m in (1, 2, 4, 8)] == [64, 64, 64, 32]
+    assert [g1_bkw("kimi-k2.6", 1, m) for m in (1, 4)] == [32, 32]
+    assert [g1_bkw("qwen3-235b-a22b", 1, m) for m in (1, 2)] == [64, 32]
+    assert g1_bkw("kimi-k2.6", 8, 1, limits=None) == 32
+    plain = dict(tm.ONE_ROW, g1=dict(tm.ONE_ROW["g1"], pf=False))
+    assert g1_bkw("kimi-k2.6", 8, 1, row=plain) == 32
+    few_sms = tm.DeviceLimits("made-up GPU", (9, 0), 16, 232448)
+    assert g1_bkw("kimi-k2.6", 8, 1, limits=few_sms) == 32  # 64 programs: four per SM
+
+
 def test_configs_used_names_the_path_and_the_table():
     shape = quant.MoEShape(experts=64, hidden=256, inter=128, topk=2, group_size=32)  # one-row up to M=3
     moe = tm.TritonW4A16MoE(quant.random_weights(shape, "cpu"), max_m=64)

@@ -271,6 +271,24 @@ def test_one_row_fusions_give_the_rows_of_the_three_step_form():
     assert relative_error(out, plain) < 2e-3
 
 
+@pytest.mark.parametrize("bkw", [4, 8, 64], ids=["bkw4", "bkw8", "bkw64"])
+def test_prefetching_one_row_rows_give_the_bits_of_the_plain_ones(bkw):
+    """`pf` loads each step's words, scales and activations one step ahead (register double
+    buffering): the same products summed in the same order, so the same bits as without it, at
+    a step of one chunk (K = 96: 12 words, three steps of 4), of two, and of the whole row (the
+    last step's look-ahead masked off). The shipped one-row row prefetches."""
+    shape = ODD_SHAPE
+    weights = quant.random_weights(shape, "cpu", seed=6)
+    x, ids, wts = random_inputs(shape, 3, torch.float16, seed=11)
+    plain = tm.TritonW4A16MoE(weights, max_m=4, table=gemv_table(bkw=bkw))(x, ids, wts)
+    moe = tm.TritonW4A16MoE(weights, max_m=4, table=gemv_table(bkw=bkw, pf=True))
+    out = moe(x, ids, wts)
+    assert torch.equal(out, plain)
+    assert relative_error(out, reference(weights, x, ids, wts)) < BOUND[torch.float16]
+    assert moe.configs_used(3)["g1"]["pf"] and moe.configs_used(3)["g2"]["pf"]
+    assert tm.ONE_ROW["g1"]["pf"] and tm.ONE_ROW["g2"]["pf"]
+
+
 def test_word_order_places_every_activation_at_its_nibble():
     """Position t of word i of chunk c holds value 32c + 4i + t//2 (t even, the low nibble of
     byte 4i + t//2) or 32c + 16 + 4i + t//2 (t odd, the high nibble); position 8 the bias."""
@@ -422,11 +440,16 @@ def test_overlapped_form_is_kept_only_when_its_sass_passes():
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
                     reason="needs a CUDA GPU and compiled kernels (TRITON_INTERPRET=0)")
 @pytest.mark.parametrize("m", [1, 3])
-def test_one_row_fusions_on_the_gpu(m):
-    """The fused one-row rows compiled (PTX conversion included), against the float32 reference."""
+@pytest.mark.parametrize("row", ["fused", "prefetching"])
+def test_one_row_fusions_on_the_gpu(m, row):
+    """The fused and the prefetching (shipped) one-row rows compiled (PTX conversion included),
+    against the float32 reference."""
     shape = quant.MoEShape(experts=16, hidden=1024, inter=512, topk=4, group_size=32)
     weights = quant.random_weights(shape, "cuda", seed=4)
-    row = dict(block_m=1, g1=dict(GEMV, fx=True), g2=dict(GEMV, bn=16, fsum=True))
+    if row == "fused":
+        row = dict(block_m=1, g1=dict(GEMV, fx=True), g2=dict(GEMV, bn=16, fsum=True))
+    else:
+        row = tm.ONE_ROW
     moe = tm.TritonW4A16MoE(weights, max_m=4, table=[(1 << 62, row)])
     for seed in (m, m + 10):
         gen = torch.Generator(device="cuda").manual_seed(seed)
