@@ -695,7 +695,6 @@ def _raw_word_dot(w, x_ptrs, CONVERT_ASM: tl.constexpr):
     the word-order buffer: x_ptrs ([1, W]) point at value 32c + 4i of word w = 4c + i, whose
     positions 2j and 2j + 1 pair with values + j and + 16 + j (_store_word_order); the word's
     bias is formed here from the same values."""
-    n0, n1, n2, n3, n4, n5, n6, n7 = _word_nibbles(w, CONVERT_ASM)
     l0 = tl.load(x_ptrs).to(tl.float32)
     h0 = tl.load(x_ptrs + 16).to(tl.float32)
     l1 = tl.load(x_ptrs + 1).to(tl.float32)
@@ -704,15 +703,8 @@ def _raw_word_dot(w, x_ptrs, CONVERT_ASM: tl.constexpr):
     h2 = tl.load(x_ptrs + 18).to(tl.float32)
     l3 = tl.load(x_ptrs + 3).to(tl.float32)
     h3 = tl.load(x_ptrs + 19).to(tl.float32)
-    p = -(136.0 * (l0 + l1 + l2 + l3) + 2056.0 * (h0 + h1 + h2 + h3)) + n0 * l0
-    p += n1 * h0
-    p += n2 * l1
-    p += n3 * h1
-    p += n4 * l2
-    p += n5 * h2
-    p += n6 * l3
-    p += n7 * h3
-    return p
+    bias = -(136.0 * (l0 + l1 + l2 + l3) + 2056.0 * (h0 + h1 + h2 + h3))
+    return _word_dot_of(w, (l0, h0, l1, h1, l2, h2, l3, h3, bias), CONVERT_ASM)
 
 
 @triton.jit
