@@ -708,6 +708,14 @@ def _raw_word_dot(w, x_ptrs, CONVERT_ASM: tl.constexpr):
 
 
 @triton.jit
+def _word_shift(kw):
+    """What moves the one-row kernels' word pointers to word kw of every row: kw is a multiple of
+    the step (a multiple of 4 words), so a step never crosses a 1 KB block's end and the shift is
+    a multiple of 4 words (16-byte loads)."""
+    return (kw // 8) * 256 + (kw // 4 % 2) * 4
+
+
+@triton.jit
 def _gemv_acc(acc, a_row, w_base, s_base, cols, K, stride_wt, stride_sg,
               GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, RAW_A: tl.constexpr, CONVERT_ASM: tl.constexpr,
               PREFETCH: tl.constexpr = False):
@@ -729,18 +737,18 @@ def _gemv_acc(acc, a_row, w_base, s_base, cols, K, stride_wt, stride_sg,
         a_ptrs = a_row + offs_w[None, :]
     s_ptrs = s_base + cols[:, None]
     offs_ch = tl.arange(0, CHUNKS)
-    if PREFETCH and not RAW_A:
+    if PREFETCH and not RAW_A:  # (fx forms its activations per step: it runs the plain loop)
         # Register double buffering: the next step's words, scales and activations are loaded
         # before this step's arithmetic, so each warp keeps its loads in flight while it
         # converts and multiplies (the loop has no other overlap: its loads feed no dot, so
         # Triton's pipeliner leaves them alone whatever num_stages says).
-        w = tl.load(w_ptrs).to(tl.uint32, bitcast=True)
+        w = tl.load(w_ptrs + _word_shift(0)).to(tl.uint32, bitcast=True)
         s = tl.load(s_ptrs + ((offs_ch * 32) // GROUP)[None, :] * stride_sg)
         acts = _word_acts(a_ptrs, KW)
         for kw in range(0, KW, BLOCK_KW):
             nk = kw + BLOCK_KW
             more = (nk + 0 * offs_w)[None, :] < KW  # a tensor mask (the interpreter takes no scalar one)
-            w_next = tl.load(w_ptrs + (nk // 8) * 256 + (nk // 4 % 2) * 4, mask=more).to(tl.uint32, bitcast=True)
+            w_next = tl.load(w_ptrs + _word_shift(nk), mask=more).to(tl.uint32, bitcast=True)
             s_next = tl.load(s_ptrs + ((nk * 8 + offs_ch * 32) // GROUP)[None, :] * stride_sg,
                              mask=(nk + 0 * offs_ch)[None, :] < KW)
             acts_next = _word_acts(a_ptrs + nk, KW, more)
@@ -752,9 +760,7 @@ def _gemv_acc(acc, a_row, w_base, s_base, cols, K, stride_wt, stride_sg,
             acts = acts_next
     else:
         for kw in range(0, KW, BLOCK_KW):
-            # kw is a multiple of BLOCK_KW (a multiple of 4): a step never crosses a block's end,
-            # and the shift is a multiple of 4 words (16-byte loads).
-            w = tl.load(w_ptrs + (kw // 8) * 256 + (kw // 4 % 2) * 4).to(tl.uint32, bitcast=True)
+            w = tl.load(w_ptrs + _word_shift(kw)).to(tl.uint32, bitcast=True)
             if RAW_A:
                 p = _raw_word_dot(w, a_ptrs + kw * 8, CONVERT_ASM)
             else:
@@ -1061,16 +1067,18 @@ def fit_to_device(cfg: dict, limits: DeviceLimits | None, shape: quant.MoEShape,
     cfg = dict(cfg)
     if cfg["g1"].get("gemv"):
         g1 = cfg["g1"]
-        while g1["bn"] > 32 and m * shape.topk * (shape.inter // g1["bn"]) < 4 * limits.sm_count \
-                and shape.inter % (g1["bn"] // 2) == 0:
+
+        def programs(g):  # GEMM1's grid: a program per slot and column tile
+            return m * shape.topk * (shape.inter // g["bn"])
+
+        while g1["bn"] > 32 and programs(g1) < 4 * limits.sm_count and shape.inter % (g1["bn"] // 2) == 0:
             g1 = dict(g1, bn=g1["bn"] // 2)
         # The prefetching GEMM1 (pf) on a grid of fewer than three programs per SM (the --tp 8
         # shards at M <= 4, qwen3-235b-a22b M=1) takes 64 words a step: fewer programs per SM
         # fit (168 registers), each with twice the bytes in flight. Measured (PERFORMANCE.md
         # round 18): kimi-k2.6 --tp 8 M=1 32.3 against 37.6 us, qwen3-235b-a22b M=1 39.5 against
         # 40.8; with more programs bkw 32 wins (kimi-k2.6 M=1, 512 programs: 76.3 against 85.4).
-        if g1.get("pf") and g1["bkw"] < 64 and m * shape.topk * (shape.inter // g1["bn"]) < 3 * limits.sm_count \
-                and (shape.hidden // 8) % 64 == 0:
+        if g1.get("pf") and g1["bkw"] < 64 and programs(g1) < 3 * limits.sm_count and (shape.hidden // 8) % 64 == 0:
             g1 = dict(g1, bkw=64)
         cfg["g1"] = g1
         return cfg
