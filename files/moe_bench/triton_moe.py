@@ -888,7 +888,8 @@ def _gemv_kernel(
 # pf: each step's words, scales and activations loaded one step ahead into registers (register
 # double buffering), so a warp's loads stay in flight while it converts and multiplies: at
 # kimi-k2.6 M=1 82.5 -> 76.3 us, --tp 8 M=1 40.3 -> 32.3 us (PERFORMANCE.md round 18); with it
-# bkw 32 (GEMM1 127 registers: four programs per SM), or 64 on small grids (fit_to_device).
+# bkw 32 (GEMM1 127 registers: four programs per SM), or 64 on small grids, and two warps with
+# bkw 16 on large ones (fit_to_device; PERFORMANCE.md round 19).
 # The rows' tiles were chosen on one H200 at the kimi-k2.6 shape with `tools/kernel_sweep.py
 # --variants` (every candidate checked against the float32 reference, then each GEMM timed
 # alone); which row runs at which M is decided by slots per expert (see "Tiles by shape and
@@ -913,8 +914,13 @@ TENSOR_BM64 = dict(block_m=64, g1=_GEMM1_BK64, g2=_GEMM2)
 # for block_m 16); block_m 16 wins up to 11 per expert (kimi-k2.6 M=512) and loses from 16
 # (deepseek-v3 M=512: 3122 against 2613 us for block_m 32); block_m 32 wins at 21 (kimi-k2.6
 # M=1024: 4130 against 4668 us for 64) and loses at 32 (deepseek-v3 M=1024, qwen3 M=512,
-# mixtral M=128).
-SLOTS_PER_EXPERT_ROWS = ((0.1, ONE_ROW), (12.0, TENSOR_BM16), (24.0, TENSOR_BM32))
+# mixtral M=128). Round 19: with the prefetching one-row kernels on two warps where their grids
+# are large (fit_to_device) the one-row range reaches 0.25 per expert: kimi-k2.6 M=12 716 against
+# 729 us for block_m 16, M=8 457-492 against 492-503 in three comparisons of four (the fourth 517
+# against 495, its rounds 467-523), --tp 8 M=8 / 12 78 / 110 against 92 / 130,
+# deepseek-v3 M=4 252 against 272, qwen3-235b-a22b M=2 / 4 66 / 119 against 73 / 125,
+# mixtral-8x7b M=1 104 against 132; it lost at 0.33 (kimi-k2.6 M=16: 1018 against 938 us).
+SLOTS_PER_EXPERT_ROWS = ((0.25, ONE_ROW), (12.0, TENSOR_BM16), (24.0, TENSOR_BM32))
 
 
 def table_by_slots_per_expert(shape: quant.MoEShape) -> list[tuple[int, dict]]:
@@ -930,35 +936,36 @@ def table_by_slots_per_expert(shape: quant.MoEShape) -> list[tuple[int, dict]]:
     return table
 
 
-# The kimi-k2.6 table (M <= 4 one-row, <= 576 block_m 16, <= 1152 block_m 32, then 64).
+# The kimi-k2.6 table (M <= 12 one-row, <= 576 block_m 16, <= 1152 block_m 32, then 64).
 TILE_TABLE: list[tuple[int, dict]] = table_by_slots_per_expert(
     quant.MoEShape(experts=384, hidden=7168, inter=2048, topk=8, group_size=32))
 
 # The presets' shipped tables, by layer shape (`--tp 1` and `--tp 8`), each measured on an
 # H200 at its own shape (round 15: every M's winner agreed with the slots-per-expert rule, so
 # each table is that rule's output, fixed here so that a later change of the rule for other
-# shapes leaves the measured presets alone). kimi-k2.6's is TILE_TABLE itself (a tuning
+# shapes leaves the measured presets alone; round 19 moved the one-row limit of all of them,
+# measured at each preset's shape on one H200). kimi-k2.6's is TILE_TABLE itself (a tuning
 # script that edits TILE_TABLE in place edits it).
 PRESET_TABLES: dict[quant.MoEShape, list[tuple[int, dict]]] = {
     quant.MoEShape(experts=384, hidden=7168, inter=2048, topk=8, group_size=32): TILE_TABLE,
     # kimi-k2.6 --tp 8 (inter 256): the same slots per expert, the same M limits.
     quant.MoEShape(experts=384, hidden=7168, inter=256, topk=8, group_size=32):
-        [(4, ONE_ROW), (576, TENSOR_BM16), (1152, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+        [(12, ONE_ROW), (576, TENSOR_BM16), (1152, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
     # deepseek-v3 (and --tp 8): 256 experts, top-8.
     quant.MoEShape(experts=256, hidden=7168, inter=2048, topk=8, group_size=32):
-        [(3, ONE_ROW), (384, TENSOR_BM16), (768, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+        [(8, ONE_ROW), (384, TENSOR_BM16), (768, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
     quant.MoEShape(experts=256, hidden=7168, inter=256, topk=8, group_size=32):
-        [(3, ONE_ROW), (384, TENSOR_BM16), (768, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+        [(8, ONE_ROW), (384, TENSOR_BM16), (768, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
     # qwen3-235b-a22b (and --tp 8): 128 experts, top-8.
     quant.MoEShape(experts=128, hidden=4096, inter=1536, topk=8, group_size=32):
-        [(1, ONE_ROW), (192, TENSOR_BM16), (384, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+        [(4, ONE_ROW), (192, TENSOR_BM16), (384, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
     quant.MoEShape(experts=128, hidden=4096, inter=192, topk=8, group_size=32):
-        [(1, ONE_ROW), (192, TENSOR_BM16), (384, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+        [(4, ONE_ROW), (192, TENSOR_BM16), (384, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
     # mixtral-8x7b (and --tp 8): 8 experts, top-2: every M has slots sharing an expert.
     quant.MoEShape(experts=8, hidden=4096, inter=14336, topk=2, group_size=32):
-        [(48, TENSOR_BM16), (96, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+        [(1, ONE_ROW), (48, TENSOR_BM16), (96, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
     quant.MoEShape(experts=8, hidden=4096, inter=1792, topk=2, group_size=32):
-        [(48, TENSOR_BM16), (96, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+        [(1, ONE_ROW), (48, TENSOR_BM16), (96, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
 }
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -1019,7 +1026,8 @@ def _fit(gemm: dict, k: int, n: int, group: int) -> dict:
 # row (fit_to_device): GEMM1 (the one-row kernels' and, on layers of few column tiles and slots
 # per expert, the block_m 16 one) takes bn 32 instead of 64 when bn 64 would give fewer than four
 # programs per SM (and the prefetching one-row GEMM1 takes 64 words a step on grids of fewer than
-# three programs per SM), and a tensor-core row's stages drop until its
+# three programs per SM; each prefetching one-row GEMM takes two warps and 16 words a step on
+# grids of at least five per SM), and a tensor-core row's stages drop until its
 # pipelined tiles fit the device's shared memory (an sm_120 or sm_89 block gets 99 KB, an
 # H100/H200 227 KB).
 
@@ -1080,7 +1088,19 @@ def fit_to_device(cfg: dict, limits: DeviceLimits | None, shape: quant.MoEShape,
         # 40.8; with more programs bkw 32 wins (kimi-k2.6 M=1, 512 programs: 76.3 against 85.4).
         if g1.get("pf") and g1["bkw"] < 64 and programs(g1) < 3 * limits.sm_count and (shape.hidden // 8) % 64 == 0:
             g1 = dict(g1, bkw=64)
-        cfg["g1"] = g1
+        # On a grid of at least five programs per SM a prefetching GEMM takes two warps and 16
+        # words a step: the same registers per thread, half the threads per program, so each
+        # step's cross-warp reduction (the chunk sums meet the scales through shared memory and
+        # two barriers) waits on one other warp instead of three. Measured (PERFORMANCE.md
+        # round 19): kimi-k2.6 M=2 / 4 131 / 248 against 138 / 260 us, --tp 8 M=8 77 against 92
+        # (block_m 16), qwen3-235b-a22b M=2 65 against 72; with fewer programs four warps win
+        # (kimi-k2.6 M=1, GEMM1's 512 programs: 76 against 86 us).
+        g2 = cfg["g2"]
+        for which, g, grid in (("g1", g1, programs(g1)), ("g2", g2, m * shape.topk * (shape.hidden // g2["bn"]))):
+            if g.get("pf") and g["warps"] == 4 and 16 <= g["bkw"] <= 32 and grid >= 5 * limits.sm_count:
+                cfg[which] = dict(g, warps=2, bkw=16)
+            else:
+                cfg[which] = g
         return cfg
     # GEMM1's programs on a block_m 16 row are blocks (about one per expert touched) times inter /
     # bn column tiles. Where a layer has few column tiles (inter / 64 <= 8: the --tp 8 shards) and
