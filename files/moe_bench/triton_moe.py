@@ -1089,12 +1089,12 @@ def fit_to_device(cfg: dict, limits: DeviceLimits | None, shape: quant.MoEShape,
         if g1.get("pf") and g1["bkw"] < 64 and programs(g1) < 3 * limits.sm_count and (shape.hidden // 8) % 64 == 0:
             g1 = dict(g1, bkw=64)
         # On a grid of at least five programs per SM a prefetching GEMM takes two warps and 16
-        # words a step: the same registers per thread, half the threads per program, so each
-        # step's cross-warp reduction (the chunk sums meet the scales through shared memory and
-        # two barriers) waits on one other warp instead of three. Measured (PERFORMANCE.md
-        # round 19): kimi-k2.6 M=2 / 4 131 / 248 against 138 / 260 us, --tp 8 M=8 77 against 92
-        # (block_m 16), qwen3-235b-a22b M=2 65 against 72; with fewer programs four warps win
-        # (kimi-k2.6 M=1, GEMM1's 512 programs: 76 against 86 us).
+        # words a step: the same registers per thread (128) and warps per SM, half the threads
+        # per program. Measured (PERFORMANCE.md round 19): kimi-k2.6 M=2 / 4 131 / 248 against
+        # 138 / 260 us, --tp 8 M=8 77 against 92 (block_m 16), qwen3-235b-a22b M=2 65 against
+        # 72; with fewer programs four warps win (kimi-k2.6 M=1, GEMM1's 512 programs: 76
+        # against 86 us). Why is not established: the per-step barrier of the four-warp loop
+        # was the first guess, but a loop without it was not faster (round 19f).
         g2 = cfg["g2"]
         for which, g, grid in (("g1", g1, programs(g1)), ("g2", g2, m * shape.topk * (shape.hidden // g2["bn"]))):
             if g.get("pf") and g["warps"] == 4 and 16 <= g["bkw"] <= 32 and grid >= 5 * limits.sm_count:
