@@ -62,12 +62,15 @@ class Timing:
     notes: list[str] = field(default_factory=list)
 
 
-def _enough(samples: int, routings: int, elapsed_s: float, budget_s: float) -> bool:
-    if samples < routings:
+def _enough(forwards: int, routings: int, elapsed_s: float, budget_s: float, min_time_s: float = 0.0,
+            max_forwards: int | None = MAX_SAMPLES) -> bool:
+    """The one stop rule: every routing timed at least once, then stop at the budget (or
+    max_forwards), else once MIN_SAMPLES forwards and min_time_s have both passed."""
+    if forwards < routings:
         return False
-    if samples >= MAX_SAMPLES or elapsed_s >= budget_s:
+    if elapsed_s >= budget_s or (max_forwards is not None and forwards >= max_forwards):
         return True
-    return samples >= MIN_SAMPLES
+    return forwards >= MIN_SAMPLES and elapsed_s >= min_time_s
 
 
 def time_cpu(call: Callable[[int], object], routings: int) -> Timing:
@@ -77,7 +80,8 @@ def time_cpu(call: Callable[[int], object], routings: int) -> Timing:
             call(r)
     samples: list[float] = []
     started = time.perf_counter()
-    while not _enough(len(samples), routings, time.perf_counter() - started, TIME_BUDGET_S["cpu"]):
+    while not _enough(len(samples), routings, time.perf_counter() - started, TIME_BUDGET_S["cpu"],
+                      MIN_TIME_S["cpu"]):
         r = len(samples) % routings
         t0 = time.perf_counter()
         call(r)
@@ -92,12 +96,6 @@ ROUNDS_PER_SYNC = 4
 
 def _cuda_event():
     return torch.cuda.Event(enable_timing=True)
-
-
-def _enough_on_device(forwards: int, elapsed_s: float, min_time_s: float) -> bool:
-    if forwards and elapsed_s >= TIME_BUDGET_S["cuda"]:
-        return True
-    return forwards >= MIN_SAMPLES and elapsed_s >= min_time_s
 
 
 def _time_with_events(run_round: Callable[[], object], routings: int, device: torch.device,
@@ -116,7 +114,9 @@ def _time_with_events(run_round: Callable[[], object], routings: int, device: to
     min_time_s = MIN_TIME_S["cuda"] if min_time_s is None else min_time_s
     samples: list[float] = []
     wall = time.perf_counter()
-    while not _enough_on_device(len(samples) * routings, time.perf_counter() - wall, min_time_s):
+    # A sample is a whole round of forwards: no cap on their count, the budget bounds it.
+    while not _enough(len(samples) * routings, routings, time.perf_counter() - wall, TIME_BUDGET_S["cuda"],
+                      min_time_s, max_forwards=None):
         run_round()  # the leading round: untimed
         pairs = []
         for _ in range(ROUNDS_PER_SYNC):

@@ -740,8 +740,9 @@ def _gemv_acc(acc, a_row, w_base, s_base, cols, K, stride_wt, stride_sg,
     if PREFETCH and not RAW_A:  # (fx forms its activations per step: it runs the plain loop)
         # Register double buffering: the next step's words, scales and activations are loaded
         # before this step's arithmetic, so each warp keeps its loads in flight while it
-        # converts and multiplies (the loop has no other overlap: its loads feed no dot, so
-        # Triton's pipeliner leaves them alone whatever num_stages says).
+        # converts and multiplies. (Triton's pipeliner stages loads that feed no dot only when
+        # the loop asks, tl.range(..., num_stages=S): a ring through shared memory, slower here at
+        # every M measured, PERFORMANCE.md round 19g.)
         w = tl.load(w_ptrs + _word_shift(0)).to(tl.uint32, bitcast=True)
         s = tl.load(s_ptrs + ((offs_ch * 32) // GROUP)[None, :] * stride_sg)
         acts = _word_acts(a_ptrs, KW)
@@ -1076,8 +1077,8 @@ def fit_to_device(cfg: dict, limits: DeviceLimits | None, shape: quant.MoEShape,
     if cfg["g1"].get("gemv"):
         g1 = cfg["g1"]
 
-        def programs(g):  # GEMM1's grid: a program per slot and column tile
-            return m * shape.topk * (shape.inter // g["bn"])
+        def programs(g, n=shape.inter):  # a one-row GEMM's grid: a program per slot and column tile
+            return m * shape.topk * (n // g["bn"])
 
         while g1["bn"] > 32 and programs(g1) < 4 * limits.sm_count and shape.inter % (g1["bn"] // 2) == 0:
             g1 = dict(g1, bn=g1["bn"] // 2)
@@ -1096,7 +1097,7 @@ def fit_to_device(cfg: dict, limits: DeviceLimits | None, shape: quant.MoEShape,
         # against 86 us). Why is not established: the per-step barrier of the four-warp loop
         # was the first guess, but a loop without it was not faster (round 19f).
         g2 = cfg["g2"]
-        for which, g, grid in (("g1", g1, programs(g1)), ("g2", g2, m * shape.topk * (shape.hidden // g2["bn"]))):
+        for which, g, grid in (("g1", g1, programs(g1)), ("g2", g2, programs(g2, shape.hidden))):
             if g.get("pf") and g["warps"] == 4 and 16 <= g["bkw"] <= 32 and grid >= 5 * limits.sm_count:
                 cfg[which] = dict(g, warps=2, bkw=16)
             else:
