@@ -108,6 +108,25 @@ def compile_gemv(which: int, g: dict, group: int = 32, *, target=None, topk: int
     return triton.compile(src, target=target or TARGET, options=dict(num_warps=g["warps"], num_stages=g.get("stages", 1)))
 
 
+SIGNATURE_MMA8 = {
+    "x_ptr": "*i64", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "topk_weights_ptr": "*fp32",
+    "sorted_slot_ptr": "*i32", "counts_ptr": "*i32", "starts_ptr": "*i32", "ends_ptr": "*i32", "num_experts": "i32",
+    "K": "i32", "N": "i32", "stride_xm": "i32", "stride_we": "i64", "stride_wt": "i32", "stride_se": "i64",
+    "stride_sg": "i32", "stride_om": "i32",
+}
+
+
+def compile_mma8(which: int, g: dict, *, target=None, topk: int = 8, num_bins: int = 512):
+    """A block_m 8 row's GEMM (triton_moe._mma8_kernel) as GEMM1 or GEMM2."""
+    signature = dict(SIGNATURE_MMA8)
+    constants = dict(TOPK=topk, NUM_BINS=num_bins, RT=g["rt"], KSPLIT=g["ksplit"], GATE_UP=which == 1,
+                     AHEAD=g.get("ahead", 1))
+    for name in constants:
+        signature[name] = "constexpr"
+    src = ASTSource(fn=tm._mma8_kernel, signature=signature, constexprs=constants, attrs=_attrs(signature))
+    return triton.compile(src, target=target or TARGET, options=dict(num_warps=g["ksplit"], num_stages=1))
+
+
 def compile_gemm(which: int, block_m: int, g: dict, group: int = 32, overlap: bool | None = None, *,
                  target=None, topk: int = 8, num_bins: int = 512, k: int | None = None, by_expert=None):
     """GEMM1 or GEMM2 (default: at the kimi-k2.6 shape, K = 7168 for GEMM1 and 2048 for GEMM2).
@@ -116,6 +135,8 @@ def compile_gemm(which: int, block_m: int, g: dict, group: int = 32, overlap: bo
     otherwise K at run time, the form the compiler serialises."""
     if g.get("gemv"):
         return compile_gemv(which, g, group, target=target, topk=topk, by_expert=by_expert)
+    if g.get("mma8"):
+        return compile_mma8(which, g, target=target, topk=topk, num_bins=num_bins)
     kernel = tm._gemm1_kernel if which == 1 else tm._gemm2_kernel
     signature = dict(SIGNATURE_1 if which == 1 else SIGNATURE_2)
     constants = dict(GROUP=group, BLOCK_M=block_m, BLOCK_N=g["bn"], GROUPS_PER_STEP=g["bk"] // group,
@@ -264,7 +285,7 @@ def portability_jobs(archs: list[int], shapes) -> list[dict]:
                 cfg = tm.fit_to_device(tm._config_for(shape, m, table), limits, shape, m)
                 by_expert = bool(cfg["g1"].get("sort", False))
                 for which, g, k in ((1, cfg["g1"], shape.hidden), (2, cfg["g2"], shape.inter)):
-                    overlap = bool(g.get("swap")) and arch == 90 and not g.get("gemv")
+                    overlap = bool(g.get("swap")) and arch == 90 and not g.get("gemv") and not g.get("mma8")
                     job = dict(arch=arch, which=which, block_m=cfg["block_m"], g=g, group=shape.group_size,
                                topk=shape.topk, num_bins=tm.triton.next_power_of_2(shape.experts + 1),
                                k=k if overlap else 0, overlap=overlap, by_expert=by_expert if g.get("gemv") else None)
@@ -334,7 +355,7 @@ def check_job(job: dict) -> dict:
     started = time.perf_counter()
     arch, limits = job["arch"], ARCHS[job["arch"]]
     target = GPUTarget("cuda", arch, 32)
-    kind = "one-row" if job["g"].get("gemv") else f"bm{job['block_m']}"
+    kind = "one-row" if job["g"].get("gemv") else "mma8" if job["g"].get("mma8") else f"bm{job['block_m']}"
     label = f"sm_{arch} GEMM{job['which']} {kind} " + ",".join(
         f"{key}={value}" for key, value in sorted(job["g"].items()) if key not in ("asm", "gemv", "post", "whole", "split"))
     problems, notes = [], []
@@ -362,7 +383,10 @@ def check_job(job: dict) -> dict:
         return dict(label=label, used_by=job["used_by"], problems=[f"compile failed: {type(exc).__name__}: "
                                                                    f"{str(exc)[:300]}"], notes=notes,
                     seconds=time.perf_counter() - started)
-    problems += fit_problems(d, arch, limits, threads=32 * job["g"]["warps"])
+    warps = job["g"]["ksplit"] if job["g"].get("mma8") else job["g"]["warps"]
+    if job["g"].get("mma8") and "HMMA.16816.F32.BF16" not in d["sass"]:
+        problems.append("no bf16 mma.sync (HMMA.16816.F32.BF16) in the compiled code")
+    problems += fit_problems(d, arch, limits, threads=32 * warps)
     summary = (f"regs {d['regs']:3d} smem {d['shared']:6d} local {d['local']} "
                + " ".join(f"{op}={d['counts'][op]}" for op in ("HGMMA", "HMMA") if d["counts"].get(op))
                + (f" UTCMMA={d['sass'].count('UTCHMMA') + d['sass'].count('UTCQMMA')}" if 100 <= arch < 120 else ""))

@@ -86,10 +86,18 @@ def check_m(moe, weights, shape, m: int, device, seed: int) -> float | None:
     return cli.relative_error(out, ref)
 
 
-def graph_time_us(moe, shape, m: int, device, seed: int, replays: int, budget_s: float) -> dict:
+# Offset of this script's routing seed from the harness's (cli.time_one_m seeds seed * 1_000_003
+# + m): its own routings by default; --same-routings takes the harness's (offset 0), which
+# separates the timing methods from the routing sample where the time depends much on which
+# experts a routing touches (few experts: mixtral-8x7b's 8, PERFORMANCE.md round 20).
+ROUTING_SEED_OFFSET = 17
+
+
+def graph_time_us(moe, shape, m: int, device, seed: int, replays: int, budget_s: float,
+                  routing_offset: int = ROUTING_SEED_OFFSET) -> dict:
     """Mean us per forward of one graph of FORWARDS_PER_GRAPH forwards over as many routings."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed * 1_000_003 + m + 17)
+    generator.manual_seed(seed * 1_000_003 + m + routing_offset)
     sets = [cli.make_inputs(shape, m, activation_dtype(device), device, generator) for _ in range(FORWARDS_PER_GRAPH)]
     for x, ids, wts in sets:  # compiles and decides each configuration's MMA form before capture
         moe(x, ids, wts)
@@ -136,6 +144,8 @@ def path_of(config: dict) -> str:
         return f"gluon-hopper-ws bm{config['gluon']['g1']['bm']}"
     if config["g1"].get("gemv"):
         return "one-row" + ("/by-expert" if config["g1"].get("sort") else "")
+    if config["g1"].get("mma8"):
+        return f"mma8 rt{config['g1']['rt']}/{config['g2']['rt']}"
     overlap = [config[g].get("mma_overlap") for g in ("g1", "g2")]
     form = "overlapped" if all(overlap) else ("serialised" if not any(o is None for o in overlap) else "mma-?")
     fallback = f" (Gluon path not run: {config['gluon_fallback']})" if config.get("gluon_fallback") else ""
@@ -161,9 +171,12 @@ def main(argv=None) -> int:
                         help="rounds per M of the harness's own timing (moe_bench.cli.time_one_m, same backend) "
                              "alternating with this script's; the figures compared are each one's median over the rounds")
     parser.add_argument("--agree-pct", type=float, default=5.0)
+    parser.add_argument("--same-routings", action="store_true",
+                        help="time the harness's routings (its seed) instead of this script's own")
     parser.add_argument("--out", default="")
     parser.add_argument("--device", default="cuda:0", help="cpu: the script's control flow only (interpreter)")
     args = parser.parse_args(argv)
+    offset = 0 if args.same_routings else ROUTING_SEED_OFFSET
 
     m_list = sorted({int(v) for v in args.m_list.split(",")})
     device = torch.device(args.device)
@@ -197,7 +210,8 @@ def main(argv=None) -> int:
     report = dict(tool="tools/graph_timing.py", argv=sys.argv[1:], preset=args.preset, tp=args.tp,
                   shape=shape.__dict__, started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", driver=driver_version(), torch=torch.__version__,
-                  triton=tm.triton.__version__, harness_ceilings=harness_ceilings, interleave=args.interleave, rows=[])
+                  triton=tm.triton.__version__, harness_ceilings=harness_ceilings, interleave=args.interleave,
+                  same_routings=args.same_routings, rows=[])
     failed = False
     print(f"{args.preset} tp{args.tp} {shape} on {report['device']}, driver {report['driver']}, "
           f"triton {report['triton']}", flush=True)
@@ -214,11 +228,11 @@ def main(argv=None) -> int:
                 # The order alternates: whichever runs second finds the GPU warmer (its clock falls
                 # as it nears the power limit), so a fixed order biases the comparison.
                 if index % 2:
-                    graph = graph_time_us(moe, shape, m, device, args.seed, args.replays, args.budget_s)
+                    graph = graph_time_us(moe, shape, m, device, args.seed, args.replays, args.budget_s, offset)
                     _, harness_timing = cli.time_one_m(settings, backend, m, activation_dtype(device), device)
                 else:
                     _, harness_timing = cli.time_one_m(settings, backend, m, activation_dtype(device), device)
-                    graph = graph_time_us(moe, shape, m, device, args.seed, args.replays, args.budget_s)
+                    graph = graph_time_us(moe, shape, m, device, args.seed, args.replays, args.budget_s, offset)
                 rounds.append((harness_timing.us, graph))
             row.update(rounds[len(rounds) // 2][1] if len(rounds) % 2 else rounds[0][1])
             row["us"] = statistics.median(graph["us"] for _, graph in rounds)
@@ -228,7 +242,7 @@ def main(argv=None) -> int:
             harness_us = statistics.median(us for us, _ in rounds)
             harness_rows[m] = {"us": harness_us, "pct_of_floor": 100 * floor_run / harness_us}
         elif ok:
-            row.update(graph_time_us(moe, shape, m, device, args.seed, args.replays, args.budget_s))
+            row.update(graph_time_us(moe, shape, m, device, args.seed, args.replays, args.budget_s, offset))
         if ok:
             floor_fn = perfmodel.floor_us(shape, m, FIELD_NOTES_BANDWIDTH_GBPS, FIELD_NOTES_TFLOPS)
             row["floor_field_notes_us"] = floor_fn

@@ -1,7 +1,7 @@
 """The payload's own fused W4A16 MoE forward, written in Triton.
 
-Two paths, picked per M by the shape's table (a preset's shipped one, else the rule by slots
-per expert; see "Tiles by shape and device"); both have shapes fixed by M (CUDA-graph
+Three paths, picked per M by the shape's table (a preset's shipped one, else the rule by slots
+per expert; see "Tiles by shape and device"); all have shapes fixed by M (CUDA-graph
 capturable: no host synchronisation, no data-dependent shapes; programs past the rows in use
 exit at once).
 
@@ -17,6 +17,13 @@ so a tensor-core tile of at least 16 rows would be mostly padding:
      order, or grouped by expert (`sort`: an expert's slots run side by side, so its weights
      come from DRAM once).
   3. _gemv_kernel: the intermediate against w2, times the slot's top-k weight, per slot.
+
+Some tokens sharing experts (from 64 slots, or past 0.25 slots per expert, to 4 slots per expert,
+on layers of at least 1024 intermediate columns): block_m 8 rows, _align_kernel and
+_scatter_kernel as below with blocks of 8 rows, then _mma8_kernel for each GEMM (mma.sync in
+inline PTX, a block's rows as the MMA's 8 columns: each weight converted once for all of its
+expert's slots in the block; see "Block_m 8 rows") and the top-k sum. Off a GPU with bf16
+mma.sync, and under Triton's interpreter, the block_m 16 row runs in their place.
 
 More tokens: tensor-core kernels, five launches (six when GEMM1 is split along K):
 
@@ -861,6 +868,249 @@ def _gemv_kernel(
 
 
 # ---------------------------------------------------------------------------
+# Block_m 8 rows: mma.sync with an expert's slots as the MMA's 8 columns (small M)
+# ---------------------------------------------------------------------------
+#
+# A block of up to 8 sorted rows of one expert (block_m 8: _align_kernel / _scatter_kernel as
+# for the tensor-core rows) is the N = 8 side of mma.sync.m16n8k16 (bf16 in, float32 out), the
+# weights its M = 16 side: 16 output columns a row tile. Every element of the kernel's tensors
+# is one thread ([32 * KSPLIT], one element a thread: lane = index % 32), so each inline PTX
+# block below runs per thread on exactly that thread's MMA fragments; the KSPLIT warps of a
+# program take K's 64-value blocks in equal runs and their sums meet at the end.
+#
+# Thread (g, t) = (lane // 4, lane % 4) of a row tile loads, per 32-value chunk of K, one packed
+# word of column g and one of column g + 8: word t of the chunk (bytes 4t..4t+3, the values
+# 4t..4t+3 in the low nibbles and 16+4t..16+4t+3 in the high ones, quant's layout). The nibbles
+# under 0x000F000F after a shift of 0 / 8 / 4 / 12 are the K pairs (4t, 4t+2) / (4t+1, 4t+3) /
+# (16+4t, 18+4t) / (17+4t, 19+4t), which become the A fragment's registers of two MMAs (the
+# low and the high half of the chunk) with the MMA's K order permuted accordingly; the B
+# fragment (token g's activations) is loaded in the same permuted order (two 8-byte loads and
+# four byte permutes a chunk, shared by every row tile of the warp). Each nibble u becomes the
+# exact bf16 128 + u by one lop3 (two a register); the 136 too much per value is taken off by
+# starting each chunk's MMAs from -136 * (the chunk's activation sum), itself one MMA pair with
+# a constant -136 operand per chunk, so the MMAs sum (u - 8) * x exactly in float32; the
+# chunk's sum is then scaled by its group scale in float32 (one FMA per output value).
+# Per row tile and chunk a thread issues 2 word loads, 2 scale loads, 6 shifts, 8 lop3,
+# 2 mma.sync and 4 FMA for 16 weights.
+
+_MMA8_BFRAG_PTX = tl.constexpr(
+    "{ .reg .b32 r0, r1, r2, r3;\n"
+    "mov.b64 {r0, r1}, $4;\n"
+    "mov.b64 {r2, r3}, $5;\n"
+    "prmt.b32 $0, r0, r1, 0x5410;\n"
+    "prmt.b32 $1, r0, r1, 0x7632;\n"
+    "prmt.b32 $2, r2, r3, 0x5410;\n"
+    "prmt.b32 $3, r2, r3, 0x7632; }")
+
+_MMA8_BIAS_PTX = tl.constexpr(
+    "{ .reg .b32 a; .reg .f32 z, d0, d1, d2, d3, e2, e3;\n"
+    "mov.b32 a, 0xC308C308;\n"
+    "mov.f32 z, 0f00000000;\n"
+    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {d0, d1, d2, d3}, {a, a, a, a}, {$2, $3}, {z, z, z, z};\n"
+    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, e2, e3}, {a, a, a, a}, {$4, $5}, {d0, d1, d2, d3}; }")
+
+_MMA8_TILE_PTX = tl.constexpr(
+    "{ .reg .b32 t1, t2, t3, u1, u2, u3, l0, l1, l2, l3, h0, h1, h2, h3; .reg .f32 d0, d1, d2, d3;\n"
+    "shr.b32 t1, $4, 4;\n"
+    "shr.b32 t2, $4, 8;\n"
+    "shr.b32 t3, $4, 12;\n"
+    "shr.b32 u1, $5, 4;\n"
+    "shr.b32 u2, $5, 8;\n"
+    "shr.b32 u3, $5, 12;\n"
+    "lop3.b32 l0, $4, 0x000F000F, 0x43004300, 0xEA;\n"
+    "lop3.b32 l1, $5, 0x000F000F, 0x43004300, 0xEA;\n"
+    "lop3.b32 l2, t2, 0x000F000F, 0x43004300, 0xEA;\n"
+    "lop3.b32 l3, u2, 0x000F000F, 0x43004300, 0xEA;\n"
+    "lop3.b32 h0, t1, 0x000F000F, 0x43004300, 0xEA;\n"
+    "lop3.b32 h1, u1, 0x000F000F, 0x43004300, 0xEA;\n"
+    "lop3.b32 h2, t3, 0x000F000F, 0x43004300, 0xEA;\n"
+    "lop3.b32 h3, u3, 0x000F000F, 0x43004300, 0xEA;\n"
+    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {d0, d1, d2, d3}, {l0, l1, l2, l3}, {$6, $7}, {$10, $11, $10, $11};\n"
+    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {d0, d1, d2, d3}, {h0, h1, h2, h3}, {$8, $9}, {d0, d1, d2, d3};\n"
+    "fma.rn.f32 $0, d0, $12, $14;\n"
+    "fma.rn.f32 $1, d1, $12, $15;\n"
+    "fma.rn.f32 $2, d2, $13, $16;\n"
+    "fma.rn.f32 $3, d3, $13, $17; }")
+
+
+@triton.jit
+def _mma8_bfrag(xa, xb):
+    """Token g's activations of a chunk (xa: values 4t..4t+3, xb: 16+4t..16+4t+3, four bf16 in
+    an int64 each) -> the B fragments of the chunk's low and high MMA (two bf16x2 each)."""
+    return tl.inline_asm_elementwise(_MMA8_BFRAG_PTX, "=r,=r,=r,=r,l,l", [xa, xb], dtype=(tl.int32,) * 4,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _mma8_bias(bl0, bl1, bh0, bh1):
+    """-136 times the chunk's activation sum for tokens 2t and 2t + 1 (the MMAs' starting sums)."""
+    return tl.inline_asm_elementwise(_MMA8_BIAS_PTX, "=f,=f,r,r,r,r", [bl0, bl1, bh0, bh1],
+                                     dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _mma8_tile(acc, w_lo, w_hi, b, c, s_lo, s_hi):
+    """One row tile's chunk: acc (rows g / g + 8 x tokens 2t / 2t + 1) plus the chunk's scaled
+    sums; w_lo / w_hi: the words of columns g and g + 8, b: _mma8_bfrag's fragments, c:
+    _mma8_bias's sums, s_lo / s_hi: the two columns' group scales (float32)."""
+    a0, a1, a2, a3 = acc
+    bl0, bl1, bh0, bh1 = b
+    c0, c1 = c
+    return tl.inline_asm_elementwise(
+        _MMA8_TILE_PTX, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f,f,f,f,f",
+        [w_lo, w_hi, bl0, bl1, bh0, bh1, c0, c1, s_lo, s_hi, a0, a1, a2, a3],
+        dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def _mma8_loads(w_ptrs, s_ptrs, x_ptrs, kb, stride_sg, RT: tl.constexpr):
+    """One 64-value block kb of K: per chunk h (0, 1) token g's activations (two int64) and per
+    row tile r < RT the words and scales of columns g and g + 8, as tuples."""
+    xs = (tl.load(x_ptrs + kb * 16), tl.load(x_ptrs + kb * 16 + 4),
+          tl.load(x_ptrs + kb * 16 + 8), tl.load(x_ptrs + kb * 16 + 12))
+    ws = ()
+    ss = ()
+    for r in tl.static_range(RT):
+        for h in tl.static_range(2):
+            wp = w_ptrs[r] + kb * 256 + h * 4
+            sp = s_ptrs[r] + (2 * kb + h) * stride_sg
+            ws = ws + (tl.load(wp), tl.load(wp + 64))
+            ss = ss + (tl.load(sp).to(tl.float32), tl.load(sp + 8).to(tl.float32))
+    return xs, ws, ss
+
+
+@triton.jit
+def _mma8_block(accs, xs, ws, ss, RT: tl.constexpr):
+    """accs (RT tuples of four) plus one 64-value block (_mma8_loads' values)."""
+    for h in tl.static_range(2):
+        b = _mma8_bfrag(xs[2 * h], xs[2 * h + 1])
+        c = _mma8_bias(b[0], b[1], b[2], b[3])
+        new = ()
+        for r in tl.static_range(RT):
+            # (Index expressions written out: a name bound to one is no longer a constant.)
+            new = new + (_mma8_tile(accs[r], ws[4 * r + 2 * h], ws[4 * r + 2 * h + 1], b, c, ss[4 * r + 2 * h],
+                                    ss[4 * r + 2 * h + 1]),)
+        accs = new
+    return accs
+
+
+@triton.jit
+def _mma8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, topk_weights_ptr, sorted_slot_ptr, counts_ptr, starts_ptr, ends_ptr,
+                 num_experts, K, N, stride_xm, stride_we, stride_wt, stride_se, stride_sg, stride_om,
+                 TOPK: tl.constexpr, NUM_BINS: tl.constexpr, RT: tl.constexpr, KSPLIT: tl.constexpr,
+                 GATE_UP: tl.constexpr, AHEAD: tl.constexpr = 1):
+    """One block of 8 sorted rows x RT row tiles of 16 columns (GEMM1: RT / 2 tiles of gate
+    columns and the same columns of up), reduced over K by KSPLIT warps; see the section
+    comment. x_ptr: the activations (GEMM1: x, rows by token; GEMM2: the intermediate, rows
+    by sorted row) viewed as int64 (four bf16 a value), stride_xm in those units; w_ptr: the
+    stored tiles as int32 words, stride_we / stride_wt in words. GEMM1 stores SiLU(gate) * up
+    per sorted row, GEMM2 the result times the slot's top-k weight per slot."""
+    NT: tl.constexpr = 32 * KSPLIT
+    if GATE_UP:
+        TILE: tl.constexpr = 8 * RT
+    else:
+        TILE: tl.constexpr = 16 * RT
+    pid = tl.program_id(0)
+    num_n = N // TILE
+    pid_b = pid // num_n
+    pid_n = pid % num_n
+    expert, rows_used = _block_owner(pid_b, counts_ptr, starts_ptr, ends_ptr, num_experts, 8, NUM_BINS)
+    if rows_used == 0:
+        return
+    expert = expert.to(tl.int64)
+    idx = tl.arange(0, NT)
+    lane = idx % 32
+    warp = idx // 32
+    g = lane // 4
+    t = lane % 4
+    row_ok = g < rows_used
+    srow = pid_b * 8 + g
+    if GATE_UP:
+        slot = tl.load(sorted_slot_ptr + srow, mask=row_ok, other=0)
+        xrow = (slot // TOPK).to(tl.int64)
+    else:
+        # Padded rows read a real row of the block: their MMA columns are never stored.
+        xrow = tl.where(row_ok, srow, pid_b * 8).to(tl.int64)
+    kblocks = K // 64
+    per_warp = kblocks // KSPLIT
+    kb0 = warp * per_warp
+    x_ptrs = x_ptr + xrow * stride_xm + t
+    w_ptrs = ()
+    s_ptrs = ()
+    for r in tl.static_range(RT):
+        if GATE_UP:
+            if r < RT // 2:
+                col = pid_n * TILE + 16 * r + g
+            else:
+                col = N + pid_n * TILE + 16 * (r - RT // 2) + g
+        else:
+            col = pid_n * TILE + 16 * r + g
+        w_ptrs = w_ptrs + (w_ptr + expert * stride_we + (col // 32) * stride_wt + (col % 32) * 8 + t,)
+        s_ptrs = s_ptrs + (s_ptr + expert * stride_se + col,)
+    zero = tl.zeros((NT,), dtype=tl.float32)
+    accs = ()
+    for r in tl.static_range(RT):
+        accs = accs + ((zero, zero, zero, zero),)
+    # Register buffering: block kb + AHEAD's loads are issued before block kb's arithmetic
+    # (AHEAD 1 or 2; past the warp's last block the loads repeat it, cache hits never used).
+    last = kb0 + per_warp - 1
+    xs, ws, ss = _mma8_loads(w_ptrs, s_ptrs, x_ptrs, kb0, stride_sg, RT)
+    if AHEAD == 1:
+        for i in range(per_warp - 1):
+            nxs, nws, nss = _mma8_loads(w_ptrs, s_ptrs, x_ptrs, kb0 + i + 1, stride_sg, RT)
+            accs = _mma8_block(accs, xs, ws, ss, RT)
+            xs, ws, ss = nxs, nws, nss
+        accs = _mma8_block(accs, xs, ws, ss, RT)
+    else:
+        xs1, ws1, ss1 = _mma8_loads(w_ptrs, s_ptrs, x_ptrs, tl.minimum(kb0 + 1, last), stride_sg, RT)
+        for i in range(per_warp):
+            nxs, nws, nss = _mma8_loads(w_ptrs, s_ptrs, x_ptrs, tl.minimum(kb0 + i + 2, last), stride_sg, RT)
+            accs = _mma8_block(accs, xs, ws, ss, RT)
+            xs, ws, ss = xs1, ws1, ss1
+            xs1, ws1, ss1 = nxs, nws, nss
+
+    # The KSPLIT warps' sums meet; then per lane: rows g / g + 8 of each tile, tokens 2t / 2t + 1.
+    lane1 = tl.arange(0, 32)
+    g1 = lane1 // 4
+    t1 = lane1 % 4
+    sums = ()
+    for r in tl.static_range(RT):
+        a0, a1, a2, a3 = accs[r]
+        sums = sums + ((tl.sum(tl.reshape(a0, (KSPLIT, 32)), axis=0), tl.sum(tl.reshape(a1, (KSPLIT, 32)), axis=0),
+                        tl.sum(tl.reshape(a2, (KSPLIT, 32)), axis=0), tl.sum(tl.reshape(a3, (KSPLIT, 32)), axis=0)),)
+    tok0 = 2 * t1
+    ok0 = tok0 < rows_used
+    ok1 = tok0 + 1 < rows_used
+    if GATE_UP:
+        rows0 = (pid_b * 8 + tok0).to(tl.int64)
+        for r in tl.static_range(RT // 2):
+            gate = sums[r]
+            up = sums[r + RT // 2]
+            col = pid_n * TILE + 16 * r + g1
+            for j in tl.static_range(4):
+                h = gate[j] * tl.sigmoid(gate[j]) * up[j]
+                ptr = out_ptr + (rows0 + j % 2) * stride_om + col + (j // 2) * 8
+                if j % 2 == 0:
+                    tl.store(ptr, h.to(out_ptr.dtype.element_ty), mask=ok0)
+                else:
+                    tl.store(ptr, h.to(out_ptr.dtype.element_ty), mask=ok1)
+    else:
+        slot0 = tl.load(sorted_slot_ptr + pid_b * 8 + tok0, mask=ok0, other=0)
+        slot1 = tl.load(sorted_slot_ptr + pid_b * 8 + tok0 + 1, mask=ok1, other=0)
+        wt0 = tl.load(topk_weights_ptr + slot0, mask=ok0, other=0.0)
+        wt1 = tl.load(topk_weights_ptr + slot1, mask=ok1, other=0.0)
+        for r in tl.static_range(RT):
+            col = pid_n * TILE + 16 * r + g1
+            for j in tl.static_range(4):
+                if j % 2 == 0:
+                    ptr = out_ptr + slot0.to(tl.int64) * stride_om + col + (j // 2) * 8
+                    tl.store(ptr, (sums[r][j] * wt0).to(out_ptr.dtype.element_ty), mask=ok0)
+                else:
+                    ptr = out_ptr + slot1.to(tl.int64) * stride_om + col + (j // 2) * 8
+                    tl.store(ptr, (sums[r][j] * wt1).to(out_ptr.dtype.element_ty), mask=ok1)
+
+
+# ---------------------------------------------------------------------------
 # Tile configurations
 # ---------------------------------------------------------------------------
 
@@ -906,6 +1156,13 @@ _GEMM1_BK128 = dict(bn=64, bk=128, warps=4, stages=3, post=False, whole=True, sw
 _GEMM1_BK64 = dict(_GEMM1_BK128, bk=64)
 _GEMM2 = dict(bn=128, bk=64, warps=4, stages=4, post=False, whole=True, swap=True, split=1, asm=True)
 TENSOR_BM16 = dict(block_m=16, g1=_GEMM1_BK128, g2=_GEMM2)
+# The block_m 8 rows (mma.sync, an expert's slots as the MMA's 8 columns: _mma8_kernel): per
+# GEMM rt row tiles of 16 columns a program (GEMM1: rt / 2 gate and as many up tiles), K shared
+# by ksplit warps, the next 64-value block's loads issued before a block's arithmetic (ahead 1;
+# two blocks ahead took 144 registers and lost everywhere, PERFORMANCE.md round 20). On a GPU
+# without mma.sync for bf16 (before sm_80) or under Triton's interpreter (it runs no PTX) the
+# block_m 16 row runs in their place (TritonW4A16MoE._config).
+MMA8 = dict(block_m=8, g1=dict(mma8=True, gate_up=True, rt=4, ksplit=4), g2=dict(mma8=True, rt=4, ksplit=4))
 TENSOR_BM32 = dict(block_m=32, g1=_GEMM1_BK128, g2=_GEMM2)
 TENSOR_BM64 = dict(block_m=64, g1=_GEMM1_BK64, g2=_GEMM2)
 
@@ -921,15 +1178,51 @@ TENSOR_BM64 = dict(block_m=64, g1=_GEMM1_BK64, g2=_GEMM2)
 # against 495, its rounds 467-523), --tp 8 M=8 / 12 78 / 110 against 92 / 130,
 # deepseek-v3 M=4 252 against 272, qwen3-235b-a22b M=2 / 4 66 / 119 against 73 / 125,
 # mixtral-8x7b M=1 104 against 132; it lost at 0.33 (kimi-k2.6 M=16: 1018 against 938 us).
-SLOTS_PER_EXPERT_ROWS = ((0.25, ONE_ROW), (12.0, TENSOR_BM16), (24.0, TENSOR_BM32))
+# Round 20: the block_m 8 rows win from past the one-row range to 4 slots per expert on layers
+# of at least 1024 intermediate columns (kimi-k2.6 M=12-128 2-10% faster than the one-row and
+# block_m 16 rows, deepseek-v3 M=8-128 2-6%, mixtral-8x7b M=2-16 11-19%, qwen3-235b-a22b M=8-64
+# within 2%), and lose at 8 per expert (mixtral-8x7b M=32: 381 against 302 us) and on the --tp 8
+# shards' 256 columns (kimi-k2.6 --tp 8 M=16 / 64: 196 / 480 against 154 / 356 us), where
+# GEMM2's K is four 64-value blocks (one a warp: nothing to load ahead).
+# Below them the one-row rows keep M with fewer than MMA8_MIN_SLOTS slots (M * topk): the
+# block_m 8 rows' two grouping launches and fewer, longer programs cost more than the slots
+# sharing an expert save there (kimi-k2.6 M=4 253 against 244 us, qwen3-235b-a22b M=4 123
+# against 119, mixtral-8x7b M=1 107 against 105; at 64 slots kimi-k2.6 M=8 471 against 472,
+# deepseek-v3 M=8 467 against 477; at 96, kimi-k2.6 M=12, 675 against 693).
+SLOTS_PER_EXPERT_ROWS = ((0.25, ONE_ROW), (4.0, MMA8), (12.0, TENSOR_BM16), (24.0, TENSOR_BM32))
+MMA8_MIN_INTER = 1024
+MMA8_MIN_SLOTS = 64
+
+
+def mma8_shape_error(shape: quant.MoEShape) -> str | None:
+    """Why the block_m 8 rows cannot run this shape (None: they can): K and N of both GEMMs
+    in whole 64-value blocks."""
+    for name in ("hidden", "inter"):
+        if getattr(shape, name) % 64:
+            return f"{name} {getattr(shape, name)} is not a multiple of 64: the block_m 16 row ran in its place"
+    return None
+
+
+def _row_applies(shape: quant.MoEShape, entry: dict) -> bool:
+    """Whether a rule row fits the shape: the block_m 8 rows need K and N in whole 64-value
+    blocks and at least MMA8_MIN_INTER intermediate columns."""
+    if entry["g1"].get("mma8"):
+        return shape.inter >= MMA8_MIN_INTER and mma8_shape_error(shape) is None
+    return True
 
 
 def table_by_slots_per_expert(shape: quant.MoEShape) -> list[tuple[int, dict]]:
     """SLOTS_PER_EXPERT_ROWS at this shape's M: each row up to the M where M * topk / experts
-    reaches its limit (rows that would cover no M dropped), block_m 64 after the last."""
+    reaches its limit (rows that would cover no M, or do not fit the shape, dropped), block_m
+    64 after the last."""
     table, previous = [], 0
+    mma8 = _row_applies(shape, MMA8)
     for per_expert, entry in SLOTS_PER_EXPERT_ROWS:
+        if not _row_applies(shape, entry):
+            continue
         limit = int(per_expert * shape.experts / shape.topk + 1e-9)
+        if entry is ONE_ROW and mma8:
+            limit = min(limit, (MMA8_MIN_SLOTS - 1) // shape.topk)
         if limit > previous:
             table.append((limit, entry))
             previous = limit
@@ -937,7 +1230,8 @@ def table_by_slots_per_expert(shape: quant.MoEShape) -> list[tuple[int, dict]]:
     return table
 
 
-# The kimi-k2.6 table (M <= 12 one-row, <= 576 block_m 16, <= 1152 block_m 32, then 64).
+# The kimi-k2.6 table (M <= 7 one-row, <= 192 block_m 8, <= 576 block_m 16, <= 1152 block_m 32,
+# then 64).
 TILE_TABLE: list[tuple[int, dict]] = table_by_slots_per_expert(
     quant.MoEShape(experts=384, hidden=7168, inter=2048, topk=8, group_size=32))
 
@@ -945,7 +1239,8 @@ TILE_TABLE: list[tuple[int, dict]] = table_by_slots_per_expert(
 # H200 at its own shape (round 15: every M's winner agreed with the slots-per-expert rule, so
 # each table is that rule's output, fixed here so that a later change of the rule for other
 # shapes leaves the measured presets alone; round 19 moved the one-row limit of all of them,
-# measured at each preset's shape on one H200). kimi-k2.6's is TILE_TABLE itself (a tuning
+# measured at each preset's shape on one H200; round 20 put the block_m 8 rows into those of
+# at least 1024 intermediate columns). kimi-k2.6's is TILE_TABLE itself (a tuning
 # script that edits TILE_TABLE in place edits it).
 PRESET_TABLES: dict[quant.MoEShape, list[tuple[int, dict]]] = {
     quant.MoEShape(experts=384, hidden=7168, inter=2048, topk=8, group_size=32): TILE_TABLE,
@@ -954,19 +1249,19 @@ PRESET_TABLES: dict[quant.MoEShape, list[tuple[int, dict]]] = {
         [(12, ONE_ROW), (576, TENSOR_BM16), (1152, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
     # deepseek-v3 (and --tp 8): 256 experts, top-8.
     quant.MoEShape(experts=256, hidden=7168, inter=2048, topk=8, group_size=32):
-        [(8, ONE_ROW), (384, TENSOR_BM16), (768, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+        [(7, ONE_ROW), (128, MMA8), (384, TENSOR_BM16), (768, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
     quant.MoEShape(experts=256, hidden=7168, inter=256, topk=8, group_size=32):
         [(8, ONE_ROW), (384, TENSOR_BM16), (768, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
     # qwen3-235b-a22b (and --tp 8): 128 experts, top-8.
     quant.MoEShape(experts=128, hidden=4096, inter=1536, topk=8, group_size=32):
-        [(4, ONE_ROW), (192, TENSOR_BM16), (384, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+        [(4, ONE_ROW), (64, MMA8), (192, TENSOR_BM16), (384, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
     quant.MoEShape(experts=128, hidden=4096, inter=192, topk=8, group_size=32):
         [(4, ONE_ROW), (192, TENSOR_BM16), (384, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
     # mixtral-8x7b (and --tp 8): 8 experts, top-2: every M has slots sharing an expert.
     quant.MoEShape(experts=8, hidden=4096, inter=14336, topk=2, group_size=32):
-        [(1, ONE_ROW), (48, TENSOR_BM16), (96, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+        [(1, ONE_ROW), (16, MMA8), (48, TENSOR_BM16), (96, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
     quant.MoEShape(experts=8, hidden=4096, inter=1792, topk=2, group_size=32):
-        [(1, ONE_ROW), (48, TENSOR_BM16), (96, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
+        [(1, ONE_ROW), (16, MMA8), (48, TENSOR_BM16), (96, TENSOR_BM32), (1 << 62, TENSOR_BM64)],
 }
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -996,8 +1291,29 @@ def _check_shape(shape: quant.MoEShape) -> None:
     # pairing chunk of the packed layout is whole and lies inside one group.
 
 
+def _fit_mma8(gemm: dict, k: int, n: int) -> dict:
+    """A block_m 8 row's GEMM fitted to k and n: K in whole 64-value blocks shared by ksplit
+    warps (a power of two dividing them), rt row tiles of 16 columns (GEMM1, gate_up: rt / 2
+    gate and as many up tiles, so 8 * rt columns) dividing n."""
+    if k % 64:
+        raise ValueError(f"the block_m 8 rows need K in whole 64-value blocks, got K={k}")
+    gate_up = bool(gemm.get("gate_up", False))
+    least, width = (2, 8) if gate_up else (1, 16)
+    rt = max(least, int(gemm["rt"]))
+    while rt > least and n % (width * rt):
+        rt //= 2
+    if n % (width * rt):
+        raise ValueError(f"the block_m 8 rows need N a multiple of {width * rt}, got N={n}")
+    ksplit = max(1, int(gemm.get("ksplit", 4)))
+    while ksplit > 1 and (k // 64) % ksplit:
+        ksplit //= 2
+    return dict(gemm, rt=rt, ksplit=ksplit)
+
+
 def _fit(gemm: dict, k: int, n: int, group: int) -> dict:
     """Shrink a table entry's tiles until they divide this GEMM's k and n."""
+    if gemm.get("mma8"):
+        return _fit_mma8(gemm, k, n)
     if gemm.get("gemv"):
         # One-row kernels: whole 32-value chunks (4 words) per step, columns in runs of 32.
         # GEMM2 with `fsum` (no word-order store after it) takes columns in runs of 16.
@@ -1071,7 +1387,7 @@ def _stage_bytes(block_m: int, g: dict, gate_up: bool) -> int:
 
 def fit_to_device(cfg: dict, limits: DeviceLimits | None, shape: quant.MoEShape, m: int) -> dict:
     """A table row's configuration adjusted to the device (see the section comment)."""
-    if limits is None:
+    if limits is None or cfg["g1"].get("mma8"):
         return cfg
     cfg = dict(cfg)
     if cfg["g1"].get("gemv"):
@@ -1127,6 +1443,20 @@ def fit_to_device(cfg: dict, limits: DeviceLimits | None, shape: quant.MoEShape,
     return cfg
 
 
+def mma8_unavailable_reason(limits: DeviceLimits | None, env: dict | None = None) -> str | None:
+    """Why the block_m 8 rows cannot run here (None: they can): their kernel is inline PTX
+    (mma.sync with bf16 operands, sm_80 and later), which Triton's interpreter does not run."""
+    env = os.environ if env is None else env
+    if env.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "Triton's interpreter runs no PTX: the block_m 16 row ran in its place"
+    if limits is None:
+        return "no CUDA device: the block_m 16 row ran in its place"
+    if tuple(limits.capability) < (8, 0):
+        return (f"sm_{limits.capability[0]}{limits.capability[1]} has no bf16 mma.sync: the block_m 16 row ran "
+                "in its place")
+    return None
+
+
 def table_for(shape: quant.MoEShape, limits: DeviceLimits | None = None) -> list[tuple[int, dict]]:
     """The shipped table of a preset's shape, else the rule's (table_by_slots_per_expert).
     limits: the device's, for a rule that would depend on them (none does yet: fit_to_device
@@ -1140,6 +1470,9 @@ def _config_for(shape: quant.MoEShape, m: int, table=None) -> dict:
     for limit, entry in table:
         if m <= limit:
             break
+    if entry["g1"].get("mma8") and mma8_shape_error(shape):
+        # (A rule table never gives such a shape these rows: _row_applies.)
+        return dict(_config_for(shape, m, [(1 << 62, TENSOR_BM16)]), mma8_fallback=mma8_shape_error(shape))
     return dict(
         block_m=entry["block_m"],
         g1=_fit(entry["g1"], shape.hidden, shape.inter, shape.group_size),
@@ -1164,7 +1497,9 @@ def _max_block_m(m: int, table=None) -> int:
     table = TILE_TABLE if table is None else table
     largest = 0
     for limit, entry in table:
-        largest = max(largest, entry["block_m"])
+        # A block_m 8 row keeps room for the block_m 16 row that takes its place off a GPU
+        # with mma.sync (TritonW4A16MoE._config).
+        largest = max(largest, 16 if entry["g1"].get("mma8") else entry["block_m"])
         if m <= limit:
             break
     return largest
@@ -1392,6 +1727,10 @@ class TritonW4A16MoE:
 
     def _config(self, m: int) -> dict:
         cfg = _config_for(self.layer, m, self.table)
+        if cfg["g1"].get("mma8"):
+            reason = mma8_unavailable_reason(self.limits)
+            if reason is not None:
+                cfg = dict(_config_for(self.layer, m, [(1 << 62, TENSOR_BM16)]), mma8_fallback=reason)
         return fit_to_device(cfg, self.limits, self.layer, m) if self._fit_device else cfg
 
     def _buffers(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1428,7 +1767,8 @@ class TritonW4A16MoE:
             if ran is not None:
                 cfg[which] = dict(cfg[which], mma_overlap=ran)
         # Which kernels run this M, and where their table came from (results say so).
-        cfg["path"] = "one-row" if cfg["g1"].get("gemv") else "tensor-core"
+        cfg["path"] = ("mma8" if cfg["g1"].get("mma8") else "one-row" if cfg["g1"].get("gemv")
+                       else "tensor-core")
         if cfg["path"] == "tensor-core" and self._gluon_can_run(m):
             from . import gluon_moe
 
@@ -1498,7 +1838,9 @@ class TritonW4A16MoE:
 
     def _forward_triton(self, x, topk_ids, topk_weights):
         cfg = self._config(x.shape[0])
-        if cfg["g1"].get("gemv"):
+        if cfg["g1"].get("mma8"):
+            self.mma8(x, topk_ids, topk_weights, cfg["g1"], cfg["g2"])
+        elif cfg["g1"].get("gemv"):
             self.word_order(x, topk_ids, by_expert=cfg["g1"].get("sort", False), raw=cfg["g1"].get("fx", False))
             self.gemv1(x, cfg["g1"])
             out = self.gemv2(x, topk_weights, cfg["g2"])
@@ -1686,6 +2028,35 @@ class TritonW4A16MoE:
             PREFETCH=bool(g2.get("pf", False)), num_warps=g2["warps"], num_stages=g2.get("stages", 1),
         )
         return None
+
+    def mma8(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, g1: dict, g2: dict) -> None:
+        """Block_m 8 rows: the slots grouped by expert into blocks of 8 sorted rows, then both
+        GEMMs on mma.sync with a block's rows as the MMA's 8 columns (_mma8_kernel), into the
+        per-slot buffer (then topk_sum)."""
+        shape = self.shape
+        self._m = x.shape[0]
+        self._group_slots(topk_ids, 8)
+        self._blocks_now = triton.cdiv(_padded_rows(shape, self._m, 8), 8)
+        inter_buf, slot_buf = self._buffers(x.dtype)
+        self._g2_split = 1
+        for which, g, a, w, out, k, n in (
+                ("g1", g1, x, self.weights.w13, inter_buf, shape.hidden, shape.inter),
+                ("g2", g2, inter_buf, self.weights.w2, slot_buf, shape.inter, shape.hidden)):
+            words = self._packed_words(w)
+            a64 = a.view(torch.int64)
+            gate_up = which == "g1"
+            tile = (8 if gate_up else 16) * g["rt"]
+            kernel = _mma8_kernel[(self._blocks_now * (n // tile),)](
+                a64, words, w.scales, out, topk_weights, self._sorted_slot, self._counts, self._starts, self._ends,
+                shape.experts, k, n, a64.stride(0), words.stride(0), words.stride(1), w.scales.stride(0),
+                w.scales.stride(1), out.stride(0),
+                TOPK=shape.topk, NUM_BINS=self._num_bins, RT=g["rt"], KSPLIT=g["ksplit"], GATE_UP=gate_up,
+                AHEAD=g.get("ahead", 1), num_warps=g["ksplit"], num_stages=1,
+            )
+            if gate_up:
+                self.last_gemm1 = kernel
+            else:
+                self.last_gemm2 = kernel
 
     def topk_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Each token's output: the sum of its top-k weighted slot rows."""

@@ -267,7 +267,13 @@ def test_triton_backend_is_correct_with_every_row_of_its_tile_table():
         weights = quant.random_weights(shape, "cpu", seed=12)
         for _, entry in table:
             impl = triton_moe.TritonW4A16MoE(weights, 7, table=[(1 << 62, entry)])
-            assert impl.configs_used(7)["block_m"] == entry["block_m"]
+            used = impl.configs_used(7)
+            if entry["g1"].get("mma8"):
+                # The block_m 8 rows are PTX: under the interpreter the block_m 16 row runs instead,
+                # and says so (tests/payload/test_triton_kernel.py runs them on the GPU).
+                assert used["block_m"] == 16 and used["mma8_fallback"]
+            else:
+                assert used["block_m"] == entry["block_m"]
             backend = backends.TritonBackend.__new__(backends.TritonBackend)
             backend.impl, backend.takes_out = impl, False
             _check_triton(backend, weights, shape, 7, torch.float32)

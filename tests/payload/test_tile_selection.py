@@ -24,8 +24,8 @@ def test_every_preset_shape_ships_a_table_the_rule_agrees_with(shape):
 def test_kimi_table_is_the_tile_table_and_its_limits():
     kimi = presets.PRESETS["kimi-k2.6"].shape()
     assert tm.PRESET_TABLES[kimi] is tm.TILE_TABLE
-    assert [limit for limit, _ in tm.TILE_TABLE][:-1] == [12, 576, 1152]
-    assert [entry["block_m"] for _, entry in tm.TILE_TABLE] == [1, 16, 32, 64]
+    assert [limit for limit, _ in tm.TILE_TABLE][:-1] == [7, 192, 576, 1152]
+    assert [entry["block_m"] for _, entry in tm.TILE_TABLE] == [1, 8, 16, 32, 64]
 
 
 def test_rule_for_another_shape_follows_slots_per_expert():
@@ -125,7 +125,79 @@ def test_fit_to_device_widens_the_grid_of_block_m_16_rows_on_few_column_tiles():
     assert [g1_bn("kimi-k2.6", 8, m) for m in (16, 32, 64)] == [32, 64, 64]
     assert [g1_bn("deepseek-v3", 8, m) for m in (12, 16, 32)] == [32, 32, 64]
     assert [g1_bn("qwen3-235b-a22b", 8, m) for m in (8, 16)] == [32, 64]  # 1 slot per expert at M=16
-    assert g1_bn("mixtral-8x7b", 8, 4) == 64  # 28 column tiles
-    assert g1_bn("qwen3-235b-a22b", 1, 8) == 64 and g1_bn("kimi-k2.6", 1, 16) == 64
+    assert g1_bn("mixtral-8x7b", 8, 32) == 64  # 28 column tiles (its M=4 is a block_m 8 row now)
+    assert g1_bn("qwen3-235b-a22b", 1, 128) == 64 and g1_bn("kimi-k2.6", 1, 256) == 64
     few_sms = tm.DeviceLimits("made-up GPU", (9, 0), 16, 232448)
     assert g1_bn("kimi-k2.6", 8, 16, few_sms) == 64  # 460 programs fill 16 SMs
+
+
+def test_block_m_8_rows_run_from_64_slots_to_4_slots_per_expert_on_wide_layers():
+    """Round 20's rule: the block_m 8 (mma.sync) rows take over from the one-row rows at 64 slots
+    (or past 0.25 slots per expert, whichever comes later) up to 4 slots per expert, on layers
+    of at least 1024 intermediate columns; the --tp 8 shards of 256 and 192 keep their rows."""
+    def ranges(name, tp):
+        table = tm.table_for(presets.PRESETS[name].shape(tp))
+        return [(limit, entry["block_m"]) for limit, entry in table][:-1]
+
+    assert ranges("kimi-k2.6", 1) == [(7, 1), (192, 8), (576, 16), (1152, 32)]
+    assert ranges("deepseek-v3", 1) == [(7, 1), (128, 8), (384, 16), (768, 32)]
+    assert ranges("qwen3-235b-a22b", 1) == [(4, 1), (64, 8), (192, 16), (384, 32)]  # 0.25 per expert first
+    assert ranges("mixtral-8x7b", 1) == ranges("mixtral-8x7b", 8) == [(1, 1), (16, 8), (48, 16), (96, 32)]
+    for name in ("kimi-k2.6", "deepseek-v3", "qwen3-235b-a22b"):  # inter 256 / 256 / 192
+        assert all(block_m != 8 for _, block_m in ranges(name, 8))
+    assert ranges("kimi-k2.6", 8)[0] == (12, 1)  # the one-row range as before where no block_m 8 row follows
+    narrow = quant.MoEShape(experts=64, hidden=2048, inter=960, topk=4, group_size=32)
+    assert all(entry["block_m"] != 8 for _, entry in tm.table_for(narrow))
+    odd_k = quant.MoEShape(experts=64, hidden=2080, inter=2048, topk=4, group_size=32)  # hidden not 64-divisible
+    assert all(entry["block_m"] != 8 for _, entry in tm.table_for(odd_k))
+
+
+def test_block_m_8_rows_fit_k_and_n_or_say_why():
+    g1 = dict(tm.MMA8["g1"])
+    g2 = dict(tm.MMA8["g2"])
+    assert tm._fit(g1, 7168, 2048, 32) == dict(g1, rt=4, ksplit=4)  # 112 blocks of K, 4 warps
+    assert tm._fit(g2, 192, 4096, 32)["ksplit"] == 1  # 3 blocks of K: one warp takes them all
+    assert tm._fit(g2, 256, 7168, 32)["ksplit"] == 4
+    assert tm._fit(g1, 4096, 1792, 32)["rt"] == 4  # 1792 = 56 x 32 columns
+    assert tm._fit(dict(g1, rt=8), 4096, 1760, 32)["rt"] == 4  # 64 columns do not divide 1760 = 55 x 32
+    assert tm._fit(dict(g2, rt=8), 1024, 7168 - 16, 32)["rt"] == 1  # 7152 = 447 x 16
+    with pytest.raises(ValueError, match="whole 64-value blocks"):
+        tm._fit(g1, 96, 160, 32)
+
+
+@pytest.mark.parametrize("capability, env, expected", [
+    ((9, 0), {}, None),
+    ((8, 0), {}, None),
+    ((12, 0), {}, None),
+    ((7, 5), {}, "sm_75 has no bf16 mma.sync"),
+    ((9, 0), {"TRITON_INTERPRET": "1"}, "interpreter runs no PTX"),
+])
+def test_where_the_block_m_8_rows_can_run(capability, env, expected):
+    limits = tm.DeviceLimits("a GPU", capability, 132, 232448)
+    reason = tm.mma8_unavailable_reason(limits, env=env)
+    assert (reason is None) if expected is None else (expected in reason)
+    assert "no CUDA device" in tm.mma8_unavailable_reason(None, env={})
+
+
+def test_off_a_gpu_the_block_m_16_row_runs_in_their_place_and_the_results_say_so():
+    """Under the interpreter (these tests) a block_m 8 row's M runs the block_m 16 row, with the
+    workspace sized for it even where the table's largest block is 8, and configs_used says so."""
+    import torch
+
+    from moe_bench import cli
+    from moe_bench.backends import reference_moe
+
+    shape = quant.MoEShape(experts=8, hidden=128, inter=64, topk=2, group_size=32)
+    weights = quant.random_weights(shape, "cpu", seed=8)
+    moe = tm.TritonW4A16MoE(weights, max_m=9, table=[(1 << 62, tm.MMA8)])
+    used = moe.configs_used(9)
+    assert used["path"] == "tensor-core" and used["block_m"] == 16 and not used["g1"].get("mma8")
+    assert "interpreter runs no PTX" in used["mma8_fallback"]
+    gen = torch.Generator().manual_seed(3)
+    x, ids, wts = cli.make_inputs(shape, 9, torch.float32, torch.device("cpu"), gen)  # 18 slots on 8 experts
+    out = moe(x, ids, wts)
+    assert cli.relative_error(out, reference_moe(weights, x, ids, wts)) < 1e-4
+    # A shape the block_m 8 kernel cannot take (K not in 64-value blocks) falls back the same way.
+    odd = quant.MoEShape(experts=8, hidden=96, inter=64, topk=2, group_size=32)
+    cfg = tm._config_for(odd, 4, [(1 << 62, tm.MMA8)])
+    assert cfg["block_m"] == 16 and "hidden 96 is not a multiple of 64" in cfg["mma8_fallback"]

@@ -173,6 +173,13 @@ def test_tile_configs_fit_the_shape_and_cover_every_m():
             assert (shape.hidden // 8) % cfg["g1"]["bkw"] == 0 and (shape.inter // 8) % cfg["g2"]["bkw"] == 0
             assert cfg["g1"]["bkw"] % 4 == 0 and cfg["g2"]["bkw"] % 4 == 0
             continue
+        if cfg["g1"].get("mma8"):
+            # Block_m 8 rows: 8 * rt GEMM1 columns and 16 * rt GEMM2 columns a program, K in whole
+            # 64-value blocks split evenly among the ksplit warps.
+            assert cfg["block_m"] == 8 and cfg["g2"].get("mma8") and cfg["g1"]["gate_up"]
+            assert shape.inter % (8 * cfg["g1"]["rt"]) == 0 and shape.hidden % (16 * cfg["g2"]["rt"]) == 0
+            assert (shape.hidden // 64) % cfg["g1"]["ksplit"] == 0 and (shape.inter // 64) % cfg["g2"]["ksplit"] == 0
+            continue
         assert cfg["block_m"] in (16, 32, 64)
         assert shape.inter % cfg["g1"]["bn"] == 0 and shape.hidden % cfg["g1"]["bk"] == 0
         assert shape.hidden % cfg["g2"]["bn"] == 0 and shape.inter % cfg["g2"]["bk"] == 0
@@ -454,5 +461,33 @@ def test_one_row_fusions_on_the_gpu(m, row):
     for seed in (m, m + 10):
         gen = torch.Generator(device="cuda").manual_seed(seed)
         x, ids, wts = cli.make_inputs(shape, m, torch.bfloat16, torch.device("cuda"), gen)
+        out = cli.poisoned_call(moe, x, ids, wts, shape.hidden)
+        assert cli.relative_error(out, reference_moe(weights, x, ids, wts)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                    reason="needs a CUDA GPU and compiled kernels (TRITON_INTERPRET=0)")
+@pytest.mark.parametrize("m", [1, 3, 9, 24])
+@pytest.mark.parametrize("row", ["shipped", "rt2-ksplit2-ahead2", "ksplit1"])
+def test_block_m_8_rows_on_the_gpu(m, row):
+    """The block_m 8 rows (mma.sync, _mma8_kernel) against the float32 reference, the workspace
+    poisoned first (padded rows read NaN: their MMA columns must never reach a stored value);
+    M=24 puts more than 8 slots on some experts (several blocks an expert)."""
+    shape = quant.MoEShape(experts=16, hidden=1024, inter=512, topk=4, group_size=32)
+    weights = quant.random_weights(shape, "cuda", seed=5)
+    rows = {"shipped": tm.MMA8,
+            "rt2-ksplit2-ahead2": dict(block_m=8, g1=dict(mma8=True, gate_up=True, rt=2, ksplit=2, ahead=2),
+                                       g2=dict(mma8=True, rt=2, ksplit=2, ahead=2)),
+            "ksplit1": dict(block_m=8, g1=dict(mma8=True, gate_up=True, rt=8, ksplit=1),
+                            g2=dict(mma8=True, rt=1, ksplit=1))}
+    moe = tm.TritonW4A16MoE(weights, max_m=32, table=[(1 << 62, rows[row])])
+    assert moe.configs_used(m)["path"] == "mma8"
+    for seed in (m, m + 10):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x, ids, wts = cli.make_inputs(shape, m, torch.bfloat16, torch.device("cuda"), gen)
+        for ws in moe._workspace.values():
+            for buf in ws.values():
+                buf.fill_(float("nan"))
         out = cli.poisoned_call(moe, x, ids, wts, shape.hidden)
         assert cli.relative_error(out, reference_moe(weights, x, ids, wts)) < 1e-2
