@@ -60,6 +60,10 @@ def test_kimi_table_compiles_and_fits_on_every_architecture():
     sm90 = [line for line in gluon if " sm_90 " in f" {line}"]
     assert all(line.startswith("ok") or line.startswith("n/a") for line in sm90), sm90
     assert "not applicable on their architecture" in result.stdout
+    # The block_m 8 rows (inline-PTX mma.sync): both GEMMs compiled and fitting on every architecture.
+    mma8 = [line for line in result.stdout.splitlines() if " mma8 " in line]
+    for arch in ARCHS.split(","):
+        assert sum(line.startswith(f"ok   {arch} GEMM") for line in mma8) == 2, mma8
     _assert_clean(run_check("--arch", "sm_90", "--preset", "mixtral-8x7b", "--tp", "1", "--jobs", jobs))
 
 
