@@ -1196,7 +1196,10 @@ MMA8_MIN_SLOTS = 64
 
 def mma8_shape_error(shape: quant.MoEShape) -> str | None:
     """Why the block_m 8 rows cannot run this shape (None: they can): K and N of both GEMMs
-    in whole 64-value blocks."""
+    in whole 64-value blocks, and a group of 32 (the kernel reads one scale row per 32-value
+    chunk; every preset's group, the only one measured on a GPU)."""
+    if shape.group_size != 32:
+        return f"group size {shape.group_size} (the block_m 8 kernel takes 32): the block_m 16 row ran in its place"
     for name in ("hidden", "inter"):
         if getattr(shape, name) % 64:
             return f"{name} {getattr(shape, name)} is not a multiple of 64: the block_m 16 row ran in its place"

@@ -201,3 +201,8 @@ def test_off_a_gpu_the_block_m_16_row_runs_in_their_place_and_the_results_say_so
     odd = quant.MoEShape(experts=8, hidden=96, inter=64, topk=2, group_size=32)
     cfg = tm._config_for(odd, 4, [(1 << 62, tm.MMA8)])
     assert cfg["block_m"] == 16 and "hidden 96 is not a multiple of 64" in cfg["mma8_fallback"]
+    # Nor a group other than 32 (its scale rows are read per 32-value chunk).
+    wide_groups = quant.MoEShape(experts=8, hidden=2048, inter=2048, topk=2, group_size=64)
+    cfg = tm._config_for(wide_groups, 4, [(1 << 62, tm.MMA8)])
+    assert cfg["block_m"] == 16 and "group size 64" in cfg["mma8_fallback"]
+    assert all(entry["block_m"] != 8 for _, entry in tm.table_for(wide_groups))
