@@ -119,8 +119,7 @@ SIGNATURE_MMA8 = {
 def compile_mma8(which: int, g: dict, *, target=None, topk: int = 8, num_bins: int = 512):
     """A block_m 8 row's GEMM (triton_moe._mma8_kernel) as GEMM1 or GEMM2."""
     signature = dict(SIGNATURE_MMA8)
-    constants = dict(TOPK=topk, NUM_BINS=num_bins, RT=g["rt"], KSPLIT=g["ksplit"], GATE_UP=which == 1,
-                     AHEAD=g.get("ahead", 1))
+    constants = dict(TOPK=topk, NUM_BINS=num_bins, RT=g["rt"], KSPLIT=g["ksplit"], GATE_UP=which == 1)
     for name in constants:
         signature[name] = "constexpr"
     src = ASTSource(fn=tm._mma8_kernel, signature=signature, constexprs=constants, attrs=_attrs(signature))

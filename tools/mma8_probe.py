@@ -25,14 +25,6 @@ ROWS = {
 }
 
 
-def intermediate_ref(weights, x, slot_of_row, shape):
-    """SiLU(gate) * up in float32 for the slots of the given sorted rows."""
-    tokens = slot_of_row // shape.topk
-    out = torch.empty((slot_of_row.numel(), shape.inter), dtype=torch.float32, device=x.device)
-    ids = None
-    return tokens, out, ids
-
-
 def diagnose(moe, weights, shape, m, device):
     generator = torch.Generator(device=device)
     generator.manual_seed(99 + m)

@@ -998,7 +998,7 @@ def _mma8_block(accs, xs, ws, ss, RT: tl.constexpr):
 def _mma8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, topk_weights_ptr, sorted_slot_ptr, counts_ptr, starts_ptr, ends_ptr,
                  num_experts, K, N, stride_xm, stride_we, stride_wt, stride_se, stride_sg, stride_om,
                  TOPK: tl.constexpr, NUM_BINS: tl.constexpr, RT: tl.constexpr, KSPLIT: tl.constexpr,
-                 GATE_UP: tl.constexpr, AHEAD: tl.constexpr = 1):
+                 GATE_UP: tl.constexpr):
     """One block of 8 sorted rows x RT row tiles of 16 columns (GEMM1: RT / 2 tiles of gate
     columns and the same columns of up), reduced over K by KSPLIT warps; see the section
     comment. x_ptr: the activations (GEMM1: x, rows by token; GEMM2: the intermediate, rows
@@ -1051,23 +1051,14 @@ def _mma8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, topk_weights_ptr, sorted_slot_ptr
     accs = ()
     for r in tl.static_range(RT):
         accs = accs + ((zero, zero, zero, zero),)
-    # Register buffering: block kb + AHEAD's loads are issued before block kb's arithmetic
-    # (AHEAD 1 or 2; past the warp's last block the loads repeat it, cache hits never used).
-    last = kb0 + per_warp - 1
+    # Register double buffering: block kb + 1's loads are issued before block kb's arithmetic
+    # (two blocks ahead took 144 registers at rt 4 and lost everywhere, PERFORMANCE.md round 20b).
     xs, ws, ss = _mma8_loads(w_ptrs, s_ptrs, x_ptrs, kb0, stride_sg, RT)
-    if AHEAD == 1:
-        for i in range(per_warp - 1):
-            nxs, nws, nss = _mma8_loads(w_ptrs, s_ptrs, x_ptrs, kb0 + i + 1, stride_sg, RT)
-            accs = _mma8_block(accs, xs, ws, ss, RT)
-            xs, ws, ss = nxs, nws, nss
+    for i in range(per_warp - 1):
+        nxs, nws, nss = _mma8_loads(w_ptrs, s_ptrs, x_ptrs, kb0 + i + 1, stride_sg, RT)
         accs = _mma8_block(accs, xs, ws, ss, RT)
-    else:
-        xs1, ws1, ss1 = _mma8_loads(w_ptrs, s_ptrs, x_ptrs, tl.minimum(kb0 + 1, last), stride_sg, RT)
-        for i in range(per_warp):
-            nxs, nws, nss = _mma8_loads(w_ptrs, s_ptrs, x_ptrs, tl.minimum(kb0 + i + 2, last), stride_sg, RT)
-            accs = _mma8_block(accs, xs, ws, ss, RT)
-            xs, ws, ss = xs1, ws1, ss1
-            xs1, ws1, ss1 = nxs, nws, nss
+        xs, ws, ss = nxs, nws, nss
+    accs = _mma8_block(accs, xs, ws, ss, RT)
 
     # The KSPLIT warps' sums meet; then per lane: rows g / g + 8 of each tile, tokens 2t / 2t + 1.
     lane1 = tl.arange(0, 32)
@@ -1158,8 +1149,7 @@ _GEMM2 = dict(bn=128, bk=64, warps=4, stages=4, post=False, whole=True, swap=Tru
 TENSOR_BM16 = dict(block_m=16, g1=_GEMM1_BK128, g2=_GEMM2)
 # The block_m 8 rows (mma.sync, an expert's slots as the MMA's 8 columns: _mma8_kernel): per
 # GEMM rt row tiles of 16 columns a program (GEMM1: rt / 2 gate and as many up tiles), K shared
-# by ksplit warps, the next 64-value block's loads issued before a block's arithmetic (ahead 1;
-# two blocks ahead took 144 registers and lost everywhere, PERFORMANCE.md round 20). On a GPU
+# by ksplit warps, the next 64-value block's loads issued before a block's arithmetic. On a GPU
 # without mma.sync for bf16 (before sm_80) or under Triton's interpreter (it runs no PTX) the
 # block_m 16 row runs in their place (TritonW4A16MoE._config).
 MMA8 = dict(block_m=8, g1=dict(mma8=True, gate_up=True, rt=4, ksplit=4), g2=dict(mma8=True, rt=4, ksplit=4))
@@ -2054,7 +2044,7 @@ class TritonW4A16MoE:
                 shape.experts, k, n, a64.stride(0), words.stride(0), words.stride(1), w.scales.stride(0),
                 w.scales.stride(1), out.stride(0),
                 TOPK=shape.topk, NUM_BINS=self._num_bins, RT=g["rt"], KSPLIT=g["ksplit"], GATE_UP=gate_up,
-                AHEAD=g.get("ahead", 1), num_warps=g["ksplit"], num_stages=1,
+                num_warps=g["ksplit"], num_stages=1,
             )
             if gate_up:
                 self.last_gemm1 = kernel

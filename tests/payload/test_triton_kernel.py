@@ -469,7 +469,7 @@ def test_one_row_fusions_on_the_gpu(m, row):
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
                     reason="needs a CUDA GPU and compiled kernels (TRITON_INTERPRET=0)")
 @pytest.mark.parametrize("m", [1, 3, 9, 24])
-@pytest.mark.parametrize("row", ["shipped", "rt2-ksplit2-ahead2", "ksplit1"])
+@pytest.mark.parametrize("row", ["shipped", "rt2-ksplit2", "ksplit1"])
 def test_block_m_8_rows_on_the_gpu(m, row):
     """The block_m 8 rows (mma.sync, _mma8_kernel) against the float32 reference, the workspace
     poisoned first (padded rows read NaN: their MMA columns must never reach a stored value);
@@ -477,8 +477,8 @@ def test_block_m_8_rows_on_the_gpu(m, row):
     shape = quant.MoEShape(experts=16, hidden=1024, inter=512, topk=4, group_size=32)
     weights = quant.random_weights(shape, "cuda", seed=5)
     rows = {"shipped": tm.MMA8,
-            "rt2-ksplit2-ahead2": dict(block_m=8, g1=dict(mma8=True, gate_up=True, rt=2, ksplit=2, ahead=2),
-                                       g2=dict(mma8=True, rt=2, ksplit=2, ahead=2)),
+            "rt2-ksplit2": dict(block_m=8, g1=dict(mma8=True, gate_up=True, rt=2, ksplit=2),
+                                g2=dict(mma8=True, rt=2, ksplit=2)),
             "ksplit1": dict(block_m=8, g1=dict(mma8=True, gate_up=True, rt=8, ksplit=1),
                             g2=dict(mma8=True, rt=1, ksplit=1))}
     moe = tm.TritonW4A16MoE(weights, max_m=32, table=[(1 << 62, rows[row])])
