@@ -91,6 +91,13 @@ def _attrs(signature: dict) -> dict:
     return {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind != "constexpr"}
 
 
+def _pdl(target) -> bool:
+    """Whether the backend launches its kernels with programmatic dependent launch on this
+    architecture (triton_moe.pdl_unavailable_reason: sm_90 on, a Triton with griddepcontrol):
+    the form compiled is the one that runs there."""
+    return (target or TARGET).arch >= 90 and tm.PDL_IMPORT_ERROR is None
+
+
 def compile_gemv(which: int, g: dict, group: int = 32, *, target=None, topk: int = 8, by_expert=None):
     """The one-row kernel as GEMM1 (gate/up, float32 intermediate out) or GEMM2. by_expert: the
     slot order (the table's GEMM1 `sort` decides it for both GEMMs); default g's own."""
@@ -99,7 +106,7 @@ def compile_gemv(which: int, g: dict, group: int = 32, *, target=None, topk: int
                      CONVERT_ASM=bool(g.get("asm", False)), INTER_DTYPE=tm.tl.bfloat16,
                      BY_EXPERT=bool(g.get("sort", False) if by_expert is None else by_expert),
                      RAW_A=which == 1 and bool(g.get("fx", False)), SUM_TOPK=which == 2 and bool(g.get("fsum", False)),
-                     PREFETCH=bool(g.get("pf", False)))
+                     PREFETCH=bool(g.get("pf", False)), PDL=_pdl(target))
     if constants["SUM_TOPK"]:
         constants["BY_EXPERT"] = False  # a token's slots in their own order (TritonW4A16MoE.gemv2)
     for name in constants:
@@ -119,7 +126,7 @@ SIGNATURE_MMA8 = {
 def compile_mma8(which: int, g: dict, *, target=None, topk: int = 8, num_bins: int = 512):
     """A block_m 8 row's GEMM (triton_moe._mma8_kernel) as GEMM1 or GEMM2."""
     signature = dict(SIGNATURE_MMA8)
-    constants = dict(TOPK=topk, NUM_BINS=num_bins, RT=g["rt"], KSPLIT=g["ksplit"], GATE_UP=which == 1)
+    constants = dict(TOPK=topk, NUM_BINS=num_bins, RT=g["rt"], KSPLIT=g["ksplit"], GATE_UP=which == 1, PDL=_pdl(target))
     for name in constants:
         signature[name] = "constexpr"
     src = ASTSource(fn=tm._mma8_kernel, signature=signature, constexprs=constants, attrs=_attrs(signature))
@@ -149,6 +156,7 @@ def compile_gemm(which: int, block_m: int, g: dict, group: int = 32, overlap: bo
     if k is None:
         k = 7168 if which == 1 else 2048
     constants["K_CONST"] = k if overlap else 0
+    constants["PDL"] = _pdl(target)
     for name in constants:
         signature[name] = "constexpr"
     src = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=_attrs(signature))

@@ -137,8 +137,49 @@ def graph_time_us(moe, shape, m: int, device, seed: int, replays: int, budget_s:
             "us_min": min(per_forward), "us_max": max(per_forward), "replays": len(per_forward)}
 
 
+class ClockSampler:
+    """nvidia-smi's SM clock and power every 20 ms in the background, with host timestamps."""
+
+    def __init__(self):
+        import subprocess
+        import threading
+
+        self.samples: list[tuple[float, float, float]] = []
+        self._proc = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "20"],
+            stdout=subprocess.PIPE, text=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        for line in self._proc.stdout:
+            try:
+                sm, power = (float(v) for v in line.split(","))
+            except ValueError:
+                continue
+            self.samples.append((time.time(), sm, power))
+
+    def summarise(self, windows) -> list[str]:
+        """One line per timed window: which method, its us, the median SM MHz and W inside it."""
+        self._proc.terminate()
+        self._thread.join(timeout=2)
+        lines = []
+        for name, t0, t1, us in windows:
+            inside = [(sm, w) for t, sm, w in self.samples if t0 <= t <= t1]
+            sm = statistics.median(v for v, _ in inside) if inside else float("nan")
+            watts = statistics.median(w for _, w in inside) if inside else float("nan")
+            lines.append(f"{name:8s} {us:9.1f} us  SM {sm:6.0f} MHz  {watts:5.0f} W  ({len(inside)} samples)")
+        return lines
+
+
 def path_of(config: dict) -> str:
-    """Which kernels an M ran: the one-row (CUDA-core) path or the tensor-core one, and for the
+    """Which kernels an M ran (with " pdl" where they launched with programmatic dependent
+    launch)."""
+    return _path_of(config) + (" pdl" if config.get("pdl") else "")
+
+
+def _path_of(config: dict) -> str:
+    """The one-row (CUDA-core) path, the block_m 8 one, or the tensor-core one, and for the
     latter whether its warp-group MMAs ran overlapped (TritonW4A16MoE._launch)."""
     if config.get("path") == "gluon-hopper-ws":
         return f"gluon-hopper-ws bm{config['gluon']['g1']['bm']}"
@@ -173,6 +214,9 @@ def main(argv=None) -> int:
     parser.add_argument("--agree-pct", type=float, default=5.0)
     parser.add_argument("--same-routings", action="store_true",
                         help="time the harness's routings (its seed) instead of this script's own")
+    parser.add_argument("--clocks", action="store_true",
+                        help="with --interleave: sample the SM clock and power (nvidia-smi, every 20 ms) and give "
+                             "each round's median beside its time")
     parser.add_argument("--out", default="")
     parser.add_argument("--device", default="cuda:0", help="cpu: the script's control flow only (interpreter)")
     args = parser.parse_args(argv)
@@ -223,17 +267,27 @@ def main(argv=None) -> int:
         ok = error is not None and error <= cli.RELATIVE_ERROR_BOUND["bfloat16"]
         row = dict(m=m, rel_err=error, ok=ok)
         if ok and settings is not None:
-            rounds = []
+            rounds, windows = [], []
+            sampler = ClockSampler() if args.clocks else None
             for index in range(args.interleave):
                 # The order alternates: whichever runs second finds the GPU warmer (its clock falls
                 # as it nears the power limit), so a fixed order biases the comparison.
+                t0 = time.time()
                 if index % 2:
                     graph = graph_time_us(moe, shape, m, device, args.seed, args.replays, args.budget_s, offset)
+                    t1 = time.time()
                     _, harness_timing = cli.time_one_m(settings, backend, m, activation_dtype(device), device)
+                    windows += [("graph", t0, t1, graph["us"]), ("harness", t1, time.time(), harness_timing.us)]
                 else:
                     _, harness_timing = cli.time_one_m(settings, backend, m, activation_dtype(device), device)
+                    t1 = time.time()
                     graph = graph_time_us(moe, shape, m, device, args.seed, args.replays, args.budget_s, offset)
+                    windows += [("harness", t0, t1, harness_timing.us), ("graph", t1, time.time(), graph["us"])]
                 rounds.append((harness_timing.us, graph))
+            if sampler is not None:
+                row["clock_rounds"] = sampler.summarise(windows)
+                for line in row["clock_rounds"]:
+                    print("      " + line, flush=True)
             row.update(rounds[len(rounds) // 2][1] if len(rounds) % 2 else rounds[0][1])
             row["us"] = statistics.median(graph["us"] for _, graph in rounds)
             row["graph_rounds_us"] = [graph["us"] for _, graph in rounds]

@@ -6,6 +6,10 @@ graph of 8 forwards over 8 routings per row, the rows alternating for --rounds r
       --row 'name={"block_m": 1, "g1": {...}, "g2": {...}}' [--row ...] --out rows.json
 
 The shipped row of each M runs as "shipped" (the preset's table, fitted to the device).
+--shipped-with NAME=JSON runs the shipped table with changes, fitted to the device like it:
+JSON's "g1" / "g2" options are merged into the rows whose path (one-row, mma8, tensor-core)
+is in its "paths" (default all), and "pdl": false launches the kernels without programmatic
+dependent launch, e.g. 'nopdl={"pdl": false}' or 'w2={"g2": {"warps": 2}, "paths": ["one-row"]}'.
 """
 
 from __future__ import annotations
@@ -24,10 +28,35 @@ from moe_bench import triton_moe as tm
 import graph_timing as gt
 
 
+def _path(row: dict) -> str:
+    return "mma8" if row["g1"].get("mma8") else "one-row" if row["g1"].get("gemv") else "tensor-core"
+
+
+def shipped_with(weights, shape, max_m: int, change: dict):
+    """The shipped table with change's options merged in, fitted to the device as shipped."""
+    paths = change.get("paths", ("one-row", "mma8", "tensor-core"))
+    table = []
+    for limit, row in tm.table_for(shape):
+        if _path(row) in paths:
+            row = dict(row, **{w: dict(row[w], **change.get(w, {})) for w in ("g1", "g2")})
+        table.append((limit, row))
+    saved = tm.PRESET_TABLES.get(shape)
+    tm.PRESET_TABLES[shape] = table  # read once, at construction: the backend keeps this table
+    try:
+        return tm.TritonW4A16MoE(weights, max_m, gluon=False, pdl=change.get("pdl", True))
+    finally:
+        if saved is None:
+            del tm.PRESET_TABLES[shape]
+        else:
+            tm.PRESET_TABLES[shape] = saved
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     gt.common_arguments(parser, m_list="1,2,4,8,16", budget_s=0.3)
     parser.add_argument("--row", action="append", default=[], help="NAME=JSON table row; repeatable")
+    parser.add_argument("--shipped-with", action="append", default=[],
+                        help="NAME=JSON changes to the shipped table (see above); repeatable")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
@@ -39,6 +68,9 @@ def main(argv=None) -> int:
     for text in args.row:
         name, _, spec = text.partition("=")
         rows[name] = tm.TritonW4A16MoE(weights, max(m_list), table=[(1 << 62, json.loads(spec))], gluon=False)
+    for text in args.shipped_with:
+        name, _, spec = text.partition("=")
+        rows[name] = shipped_with(weights, shape, max(m_list), json.loads(spec))
     report = dict(tool="tools/row_compare.py", argv=sys.argv[1:], shape=shape.__dict__, driver=gt.driver_version(),
                   triton=tm.triton.__version__, torch=torch.__version__, device=torch.cuda.get_device_name(device),
                   started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), rows=[])

@@ -79,9 +79,56 @@ import triton.language as tl
 
 from . import perfmodel, quant, sass
 
+# Programmatic dependent launch (Hopper and later): a kernel launched with it may start while
+# the one before it in the stream finishes; griddepcontrol.wait then blocks until that one has
+# completed and its writes are visible. Every kernel of a forward takes PDL (a constexpr):
+# with it, a kernel whose inputs all come from earlier kernels waits first and then lets the
+# next kernel launch (_pdl_enter); a one-row GEMM that is not the forward's first kernel lets
+# the next one launch at once, reads only what existed before the forward began (the routing,
+# the weights) before its wait, and waits before it reads an activation or writes anything
+# (_gemv_kernel). So the next kernel's programs take the SMs the last programs leave idle, and
+# the one-row GEMMs have their first weights in flight when the kernel before them ends
+# (PERFORMANCE.md round 21; pdl_unavailable_reason says where it cannot run).
+PDL_IMPORT_ERROR: str | None = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_wait as _gdc_wait
+except Exception as exc:  # noqa: BLE001 - an older Triton: the kernels run without PDL
+    PDL_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+    @triton.jit
+    def _gdc_wait():
+        pass
+
+    @triton.jit
+    def _gdc_launch_dependents():
+        pass
+
 # ---------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """A PDL kernel whose inputs come from the kernels before it: wait for them, then let the
+    next kernel launch (in that order, so a kernel after this one that reads the routing or
+    the weights before its own wait finds every kernel before the forward complete)."""
+    if PDL:
+        _gdc_wait()
+        _gdc_launch_dependents()
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    if PDL:
+        _gdc_wait()
+
+
+@triton.jit
+def _pdl_release(PDL: tl.constexpr):
+    if PDL:
+        _gdc_launch_dependents()
 
 
 @triton.jit
@@ -96,8 +143,10 @@ def _align_kernel(
     BLOCK_M: tl.constexpr,
     NUM_BINS: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Per expert: slot count, and start/end of its range of sorted rows padded to BLOCK_M."""
+    _pdl_enter(PDL)
     bins = tl.arange(0, NUM_BINS)
     counts = tl.zeros([NUM_BINS], dtype=tl.int32)
     for start in range(0, num_slots, CHUNK):
@@ -118,7 +167,9 @@ def _align_kernel(
 
 
 @triton.jit
-def _scatter_kernel(topk_ids_ptr, num_slots, cursor_ptr, sorted_slot_ptr, BLOCK: tl.constexpr):
+def _scatter_kernel(topk_ids_ptr, num_slots, cursor_ptr, sorted_slot_ptr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    _pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < num_slots
     ids = tl.load(topk_ids_ptr + offs, mask=valid, other=0)
@@ -373,10 +424,12 @@ def _gemm1_kernel(
     SPLIT_K: tl.constexpr,
     FUSE_GU: tl.constexpr,
     K_CONST: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """One block of sorted rows x one tile of BLOCK_N intermediate columns: gate and up tiles
     from w13 (columns n and INTER + n), SiLU(gate) * up stored per sorted row. With FUSE_GU
     the two tiles are one [.., 2 * BLOCK_N] operand (one dot per step instead of two)."""
+    _pdl_enter(PDL)
     pid = tl.program_id(0)
     num_n = INTER // BLOCK_N
     pid_k = pid % SPLIT_K
@@ -488,9 +541,11 @@ def _gemm2_kernel(
     CONVERT_ASM: tl.constexpr,
     SPLIT_K: tl.constexpr,
     K_CONST: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """One block of sorted rows x one tile of BLOCK_N output columns of w2, times each slot's
     top-k weight, stored per slot."""
+    _pdl_enter(PDL)
     pid = tl.program_id(0)
     num_n = N // BLOCK_N
     pid_k = pid % SPLIT_K
@@ -536,8 +591,9 @@ def _gemm2_kernel(
 
 @triton.jit
 def _topk_sum_kernel(slots_ptr, out_ptr, N, stride_split, TOPK: tl.constexpr, SPLIT_K: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
+                     BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
     """Each token's sum over its top-k slot rows (and over GEMM2's K slices when it was split)."""
+    _pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs_n < N
@@ -552,8 +608,9 @@ def _topk_sum_kernel(slots_ptr, out_ptr, N, stride_split, TOPK: tl.constexpr, SP
 @triton.jit
 def _silu_mul_kernel(part_ptr, out_ptr, counts_ptr, starts_ptr, ends_ptr, num_experts, INTER, stride_ps,
                      stride_om, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     NUM_BINS: tl.constexpr):
+                     NUM_BINS: tl.constexpr, PDL: tl.constexpr = False):
     """After a split GEMM1: add the K slices of gate and up, store SiLU(gate) * up per sorted row."""
+    _pdl_enter(PDL)
     pid_b = tl.program_id(0)
     _, rows_used = _block_owner(pid_b, counts_ptr, starts_ptr, ends_ptr, num_experts, BLOCK_M, NUM_BINS)
     if rows_used == 0:
@@ -651,8 +708,9 @@ def _store_word_order(vals, dst_ptr, KW, CHUNKS: tl.constexpr):
 
 
 @triton.jit
-def _word_order_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, CHUNKS: tl.constexpr):
+def _word_order_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, CHUNKS: tl.constexpr, PDL: tl.constexpr = False):
     """x rows (bf16) -> float32 rows in the one-row kernels' operand order (_store_word_order)."""
+    _pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     c0 = tl.program_id(1) * CHUNKS
     vals = tl.load(x_ptr + row * stride_xm + c0 * 32 + tl.arange(0, CHUNKS * 32)).to(tl.float32)
@@ -725,11 +783,13 @@ def _word_shift(kw):
 @triton.jit
 def _gemv_acc(acc, a_row, w_base, s_base, cols, K, stride_wt, stride_sg,
               GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, RAW_A: tl.constexpr, CONVERT_ASM: tl.constexpr,
-              PREFETCH: tl.constexpr = False):
+              PREFETCH: tl.constexpr = False, WAIT: tl.constexpr = False):
     """acc ([C, BLOCK_KW // 4] float32) plus the columns cols of one expert's
     packed weights (w_base, s_base: that expert's words and scales) dotted with one activation
     row over all of K: a_row points at the row in the operand order of _store_word_order, or,
-    with RAW_A, at the row itself (_raw_word_dot)."""
+    with RAW_A, at the row itself (_raw_word_dot). WAIT (PDL): the kernel's wait comes here,
+    after the first step's weights and scales are loaded (with PREFETCH), before the first
+    activation is read."""
     KW = K // 8
     CHUNKS: tl.constexpr = BLOCK_KW // 4
     offs_w = tl.arange(0, BLOCK_KW)
@@ -752,6 +812,8 @@ def _gemv_acc(acc, a_row, w_base, s_base, cols, K, stride_wt, stride_sg,
         # every M measured, PERFORMANCE.md round 19g.)
         w = tl.load(w_ptrs + _word_shift(0)).to(tl.uint32, bitcast=True)
         s = tl.load(s_ptrs + ((offs_ch * 32) // GROUP)[None, :] * stride_sg)
+        if WAIT:
+            _gdc_wait()
         acts = _word_acts(a_ptrs, KW)
         for kw in range(0, KW, BLOCK_KW):
             nk = kw + BLOCK_KW
@@ -767,6 +829,8 @@ def _gemv_acc(acc, a_row, w_base, s_base, cols, K, stride_wt, stride_sg,
             s = s_next
             acts = acts_next
     else:
+        if WAIT:
+            _gdc_wait()
         for kw in range(0, KW, BLOCK_KW):
             w = tl.load(w_ptrs + _word_shift(kw)).to(tl.uint32, bitcast=True)
             if RAW_A:
@@ -808,6 +872,7 @@ def _gemv_kernel(
     RAW_A: tl.constexpr = False,
     SUM_TOPK: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """One slot x BLOCK_N output columns, reduced over all of K.
 
@@ -822,11 +887,20 @@ def _gemv_kernel(
     (quant.tile_packed) viewed as uint32 words, strides in words (stride_wt: per 32-row
     group). BY_EXPERT: the programs take the slots in the order of order_ptr (the slots
     grouped by expert, _scatter_kernel), so the slots that share an expert run side by side
-    and its weights are read from DRAM once; otherwise in their own order."""
+    and its weights are read from DRAM once; otherwise in their own order. PDL: as GEMM2, or as
+    GEMM1 after the word-order step, the program reads the routing and its first weights
+    before it waits for the kernel before; the first
+    kernel of a forward (GEMM1 on x's own rows, RAW_A) and the forms that read what the
+    forward made before the weights (BY_EXPERT's order, SUM_TOPK) wait at once."""
     pid = tl.program_id(0)
     num_n = N // BLOCK_N
     pid_n = pid % num_n
     CHUNKS: tl.constexpr = BLOCK_KW // 4
+    EARLY: tl.constexpr = PDL and not (RAW_A or BY_EXPERT or SUM_TOPK)
+    if EARLY:
+        _gdc_launch_dependents()
+    else:
+        _pdl_enter(PDL)
     if SUM_TOPK:
         token = (pid // num_n).to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -854,7 +928,7 @@ def _gemv_kernel(
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((cols.shape[0], CHUNKS), dtype=tl.float32)
     acc = _gemv_acc(acc, a_ptr + row * stride_am, w_ptr + expert * stride_we, s_ptr + expert * stride_se, cols, K,
-                    stride_wt, stride_sg, GROUP, BLOCK_KW, RAW_A, CONVERT_ASM, PREFETCH)
+                    stride_wt, stride_sg, GROUP, BLOCK_KW, RAW_A, CONVERT_ASM, PREFETCH, EARLY)
     res = tl.sum(acc, axis=1)
     if GATE_UP:
         gate, up = tl.split(tl.trans(tl.reshape(res, (2, BLOCK_N))))
@@ -998,13 +1072,14 @@ def _mma8_block(accs, xs, ws, ss, RT: tl.constexpr):
 def _mma8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, topk_weights_ptr, sorted_slot_ptr, counts_ptr, starts_ptr, ends_ptr,
                  num_experts, K, N, stride_xm, stride_we, stride_wt, stride_se, stride_sg, stride_om,
                  TOPK: tl.constexpr, NUM_BINS: tl.constexpr, RT: tl.constexpr, KSPLIT: tl.constexpr,
-                 GATE_UP: tl.constexpr):
+                 GATE_UP: tl.constexpr, PDL: tl.constexpr = False):
     """One block of 8 sorted rows x RT row tiles of 16 columns (GEMM1: RT / 2 tiles of gate
     columns and the same columns of up), reduced over K by KSPLIT warps; see the section
     comment. x_ptr: the activations (GEMM1: x, rows by token; GEMM2: the intermediate, rows
     by sorted row) viewed as int64 (four bf16 a value), stride_xm in those units; w_ptr: the
     stored tiles as int32 words, stride_we / stride_wt in words. GEMM1 stores SiLU(gate) * up
     per sorted row, GEMM2 the result times the slot's top-k weight per slot."""
+    _pdl_enter(PDL)
     NT: tl.constexpr = 32 * KSPLIT
     if GATE_UP:
         TILE: tl.constexpr = 8 * RT
@@ -1450,6 +1525,24 @@ def mma8_unavailable_reason(limits: DeviceLimits | None, env: dict | None = None
     return None
 
 
+def pdl_unavailable_reason(limits: DeviceLimits | None, env: dict | None = None) -> str | None:
+    """Why the forward's kernels launch without programmatic dependent launch here (None:
+    they take it): it needs Hopper or later, a Triton with griddepcontrol (3.4 on), and a GPU
+    (the interpreter runs no PTX); MOE_BENCH_PDL=0 turns it off."""
+    env = os.environ if env is None else env
+    if env.get("MOE_BENCH_PDL", "1") == "0":
+        return "MOE_BENCH_PDL=0"
+    if env.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "Triton's interpreter runs no PTX"
+    if PDL_IMPORT_ERROR:
+        return f"this Triton has no griddepcontrol ({PDL_IMPORT_ERROR})"
+    if limits is None:
+        return "no CUDA device"
+    if tuple(limits.capability) < (9, 0):
+        return f"sm_{limits.capability[0]}{limits.capability[1]} has no programmatic dependent launch (sm_90 on)"
+    return None
+
+
 def table_for(shape: quant.MoEShape, limits: DeviceLimits | None = None) -> list[tuple[int, dict]]:
     """The shipped table of a preset's shape, else the rule's (table_by_slots_per_expert).
     limits: the device's, for a rule that would depend on them (none does yet: fit_to_device
@@ -1587,7 +1680,7 @@ class TritonW4A16MoE:
     """Fused W4A16 MoE forward on packed int4 weights; see the module docstring."""
 
     def __init__(self, weights: quant.MoEWeights, max_m: int, table=None, gluon: bool = True,
-                 layer: quant.MoEShape | None = None):
+                 layer: quant.MoEShape | None = None, pdl: bool = True):
         _check_shape(weights.shape)
         if max_m < 1:
             raise ValueError(f"max_m must be at least 1, got {max_m}")
@@ -1640,6 +1733,11 @@ class TritonW4A16MoE:
         self._g2_split = 1
         # Per GEMM configuration: whether its overlapped form passed the SASS check (_launch).
         self._overlap: dict[tuple, bool] = {}
+        # Programmatic dependent launch for every kernel of the forward where the GPU and
+        # Triton have it (pdl_unavailable_reason); pdl=False turns it off (tools that compare).
+        self.pdl_reason = pdl_unavailable_reason(self.limits) if pdl else "turned off by the caller"
+        self._pdl = self.pdl_reason is None
+        self._pdl_kw = {"launch_pdl": True} if self._pdl else {}
         self._init_gluon(gluon)
         # The activation-sized buffers depend on x's dtype: made on first use per dtype
         # (outside a graph capture: the harness warms up before capturing).
@@ -1774,6 +1872,10 @@ class TritonW4A16MoE:
                                     check_error=self.gluon_error)
             else:
                 cfg["gluon_fallback"] = self.gluon_reason
+        # Whether the kernels launch with programmatic dependent launch, and if not why.
+        cfg["pdl"] = self._pdl and not cfg["path"].startswith("gluon")
+        if not self._pdl:
+            cfg["pdl_off"] = self.pdl_reason
         if not self._fit_device:
             cfg["table"] = "given"
         else:
@@ -1878,10 +1980,10 @@ class TritonW4A16MoE:
             raise ValueError(f"block_m={block_m} at M={slots // shape.topk} needs more workspace than was allocated")
         _align_kernel[(1,)](
             topk_ids, slots, shape.experts, self._counts, self._starts, self._ends, self._cursor,
-            BLOCK_M=block_m, NUM_BINS=self._num_bins, CHUNK=1024, num_warps=8,
+            BLOCK_M=block_m, NUM_BINS=self._num_bins, CHUNK=1024, PDL=self._pdl, num_warps=8, **self._pdl_kw,
         )
         _scatter_kernel[(triton.cdiv(slots, 1024),)](
-            topk_ids, slots, self._cursor, self._sorted_slot, BLOCK=1024, num_warps=4,
+            topk_ids, slots, self._cursor, self._sorted_slot, BLOCK=1024, PDL=self._pdl, num_warps=4, **self._pdl_kw,
         )
 
     def gemm1(self, x: torch.Tensor, block_m: int, g1: dict) -> None:
@@ -1905,7 +2007,7 @@ class TritonW4A16MoE:
                 GROUPS_PER_STEP=g1["bk"] // shape.group_size, NUM_BINS=self._num_bins,
                 POST_SCALE=g1["post"], WHOLE_TILE=g1.get("whole", False), SWAP_AB=g1["swap"],
                 CONVERT_ASM=_asm_enabled(g1), SPLIT_K=split, FUSE_GU=bool(g1.get("gu", False)), K_CONST=k_const,
-                num_warps=g1["warps"], num_stages=g1["stages"],
+                PDL=self._pdl, num_warps=g1["warps"], num_stages=g1["stages"], **self._pdl_kw,
             )
 
         self.last_gemm1 = self._launch("g1", block_m, g1, shape.hidden, launch)
@@ -1914,7 +2016,7 @@ class TritonW4A16MoE:
             _silu_mul_kernel[(self._blocks_now, shape.inter // block_n)](
                 part, inter_buf, self._counts, self._starts, self._ends, shape.experts, shape.inter, stride_ps,
                 inter_buf.stride(0), SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BINS=self._num_bins,
-                num_warps=4,
+                PDL=self._pdl, num_warps=4, **self._pdl_kw,
             )
 
     def gemm2(self, x: torch.Tensor, topk_weights: torch.Tensor, block_m: int, g2: dict) -> None:
@@ -1939,7 +2041,7 @@ class TritonW4A16MoE:
                 GROUPS_PER_STEP=g2["bk"] // shape.group_size, NUM_BINS=self._num_bins,
                 POST_SCALE=g2["post"], WHOLE_TILE=g2.get("whole", False), SWAP_AB=g2["swap"],
                 CONVERT_ASM=_asm_enabled(g2), SPLIT_K=split, K_CONST=k_const,
-                num_warps=g2["warps"], num_stages=g2["stages"],
+                PDL=self._pdl, num_warps=g2["warps"], num_stages=g2["stages"], **self._pdl_kw,
             )
 
         self.last_gemm2 = self._launch("g2", block_m, g2, shape.inter, launch)
@@ -1962,7 +2064,7 @@ class TritonW4A16MoE:
         xw = self._partial("xw", _word_order_elems(shape, self._m)[0]).view(-1)[: self._m * 9 * kw].view(self._m, 9 * kw)
         chunks = _largest_dividing(32, shape.hidden // 32, 1)
         _word_order_kernel[(self._m, shape.hidden // 32 // chunks)](
-            x, xw, shape.hidden, x.stride(0), xw.stride(0), CHUNKS=chunks, num_warps=4,
+            x, xw, shape.hidden, x.stride(0), xw.stride(0), CHUNKS=chunks, PDL=self._pdl, num_warps=4, **self._pdl_kw,
         )
         self._xw = xw
 
@@ -1986,7 +2088,8 @@ class TritonW4A16MoE:
             scales.stride(1), hw.stride(0),
             TOPK=shape.topk, GROUP=shape.group_size, BLOCK_N=g1["bn"], BLOCK_KW=g1["bkw"], GATE_UP=True,
             CONVERT_ASM=_asm_enabled(g1), INTER_DTYPE=_TL_DTYPES[x.dtype], BY_EXPERT=self._by_expert,
-            RAW_A=raw, PREFETCH=bool(g1.get("pf", False)), num_warps=g1["warps"], num_stages=g1.get("stages", 1),
+            RAW_A=raw, PREFETCH=bool(g1.get("pf", False)), PDL=self._pdl, num_warps=g1["warps"],
+            num_stages=g1.get("stages", 1), **self._pdl_kw,
         )
         self._hw = hw
 
@@ -2007,7 +2110,8 @@ class TritonW4A16MoE:
                 scales.stride(1), out.stride(0),
                 TOPK=shape.topk, GROUP=shape.group_size, BLOCK_N=g2["bn"], BLOCK_KW=g2["bkw"], GATE_UP=False,
                 CONVERT_ASM=_asm_enabled(g2), INTER_DTYPE=_TL_DTYPES[x.dtype], BY_EXPERT=False, SUM_TOPK=True,
-                PREFETCH=bool(g2.get("pf", False)), num_warps=g2["warps"], num_stages=g2.get("stages", 1),
+                PREFETCH=bool(g2.get("pf", False)), PDL=self._pdl, num_warps=g2["warps"], num_stages=g2.get("stages", 1),
+                **self._pdl_kw,
             )
             return out
         _, slot_buf = self._buffers(x.dtype)
@@ -2018,7 +2122,8 @@ class TritonW4A16MoE:
             scales.stride(1), slot_buf.stride(0),
             TOPK=shape.topk, GROUP=shape.group_size, BLOCK_N=g2["bn"], BLOCK_KW=g2["bkw"], GATE_UP=False,
             CONVERT_ASM=_asm_enabled(g2), INTER_DTYPE=_TL_DTYPES[x.dtype], BY_EXPERT=self._by_expert,
-            PREFETCH=bool(g2.get("pf", False)), num_warps=g2["warps"], num_stages=g2.get("stages", 1),
+            PREFETCH=bool(g2.get("pf", False)), PDL=self._pdl, num_warps=g2["warps"],
+            num_stages=g2.get("stages", 1), **self._pdl_kw,
         )
         return None
 
@@ -2044,7 +2149,7 @@ class TritonW4A16MoE:
                 shape.experts, k, n, a64.stride(0), words.stride(0), words.stride(1), w.scales.stride(0),
                 w.scales.stride(1), out.stride(0),
                 TOPK=shape.topk, NUM_BINS=self._num_bins, RT=g["rt"], KSPLIT=g["ksplit"], GATE_UP=gate_up,
-                num_warps=g["ksplit"], num_stages=1,
+                PDL=self._pdl, num_warps=g["ksplit"], num_stages=1, **self._pdl_kw,
             )
             if gate_up:
                 self.last_gemm1 = kernel
@@ -2063,6 +2168,6 @@ class TritonW4A16MoE:
         sum_block = min(1024, triton.next_power_of_2(shape.hidden))
         _topk_sum_kernel[(self._m, triton.cdiv(shape.hidden, sum_block))](
             slot_buf, out, shape.hidden, stride_split, TOPK=shape.topk, SPLIT_K=split, BLOCK_N=sum_block,
-            num_warps=4,
+            PDL=self._pdl, num_warps=4, **self._pdl_kw,
         )
         return out

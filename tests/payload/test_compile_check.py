@@ -101,3 +101,28 @@ def test_unknown_architecture_and_preset_are_refused():
     assert result.returncode == 2 and "unknown preset" in result.stderr
 
 
+
+
+@pytest.mark.parametrize("arch, pdl", [(90, True), (100, True), (80, False)])
+def test_the_compiled_forms_wait_for_the_kernel_before_where_pdl_runs(arch, pdl):
+    """From sm_90 the check compiles the kernels as the backend launches them there, with
+    programmatic dependent launch: each waits for the kernel before it (griddepcontrol.wait)
+    and lets the next one launch; before sm_90 neither instruction is there."""
+    code = (
+        "import sys; sys.path[:0] = ['files', 'tools']\n"
+        "import compile_check as cc\n"
+        "from moe_bench import triton_moe as tm\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        f"t = GPUTarget('cuda', {arch}, 32)\n"
+        "for k in (cc.compile_gemv(2, tm.ONE_ROW['g2'], target=t), cc.compile_mma8(1, tm.MMA8['g1'], target=t),\n"
+        "          cc.compile_gemm(2, 16, tm.TENSOR_BM16['g2'], target=t, overlap=False)):\n"
+        "    ptx = k.asm['ptx']\n"
+        "    print(int('griddepcontrol.wait' in ptx), int('griddepcontrol.launch_dependents' in ptx))\n")
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
+                            cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = "1 1" if pdl else "0 0"
+    assert result.stdout.split("\n")[:3] == [expected] * 3, result.stdout

@@ -179,6 +179,43 @@ def test_where_the_block_m_8_rows_can_run(capability, env, expected):
     assert "no CUDA device" in tm.mma8_unavailable_reason(None, env={})
 
 
+@pytest.mark.parametrize("capability, env, expected", [
+    ((9, 0), {}, None),
+    ((10, 0), {}, None),
+    ((12, 0), {}, None),
+    ((8, 9), {}, "sm_89 has no programmatic dependent launch"),
+    ((9, 0), {"MOE_BENCH_PDL": "0"}, "MOE_BENCH_PDL=0"),
+    ((9, 0), {"TRITON_INTERPRET": "1"}, "interpreter runs no PTX"),
+])
+def test_where_the_kernels_launch_with_pdl(capability, env, expected):
+    limits = tm.DeviceLimits("a GPU", capability, 132, 232448)
+    reason = tm.pdl_unavailable_reason(limits, env=env)
+    assert (reason is None) if expected is None else (expected in reason)
+    assert "no CUDA device" in tm.pdl_unavailable_reason(None, env={})
+
+
+def test_off_a_gpu_the_kernels_launch_without_pdl_and_the_results_say_why():
+    shape = quant.MoEShape(experts=8, hidden=128, inter=64, topk=2, group_size=32)
+    import torch
+
+    moe = tm.TritonW4A16MoE(quant.random_weights(shape, "cpu", seed=8), max_m=4)
+    used = moe.configs_used(1)
+    assert used["pdl"] is False and "interpreter runs no PTX" in used["pdl_off"]
+    assert moe._pdl_kw == {}  # the interpreter is never handed a launch option it does not know
+    off = tm.TritonW4A16MoE(quant.random_weights(shape, "cpu", seed=8), max_m=4, pdl=False)
+    assert off.configs_used(1)["pdl_off"] == "turned off by the caller"
+    assert torch.equal(moe(*_inputs(shape)), off(*_inputs(shape)))
+
+
+def _inputs(shape):
+    import torch
+
+    from moe_bench import cli
+
+    gen = torch.Generator().manual_seed(5)
+    return cli.make_inputs(shape, 3, torch.float32, torch.device("cpu"), gen)
+
+
 def test_off_a_gpu_the_block_m_16_row_runs_in_their_place_and_the_results_say_so():
     """Under the interpreter (these tests) a block_m 8 row's M runs the block_m 16 row, with the
     workspace sized for it even where the table's largest block is 8, and configs_used says so."""

@@ -491,3 +491,47 @@ def test_block_m_8_rows_on_the_gpu(m, row):
                 buf.fill_(float("nan"))
         out = cli.poisoned_call(moe, x, ids, wts, shape.hidden)
         assert cli.relative_error(out, reference_moe(weights, x, ids, wts)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                    reason="needs a CUDA GPU and compiled kernels (TRITON_INTERPRET=0)")
+@pytest.mark.parametrize("row,m", [("one-row", 3), ("one-row-sorted", 3), ("mma8", 9), ("bm16", 24)])
+def test_pdl_forwards_in_one_graph_equal_the_serial_ones(row, m):
+    """With programmatic dependent launch each kernel may start before the one before it ends;
+    a wait in the wrong place would read the previous forward's intermediate or routing. Eight
+    forwards over eight inputs and routings in one CUDA graph, launched with PDL, must equal
+    bitwise the same forwards launched one by one without it."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90 or later")
+    shape = quant.MoEShape(experts=16, hidden=1024, inter=1024, topk=4, group_size=32)
+    weights = quant.random_weights(shape, "cuda", seed=6)
+    # "one-row-sorted": the slots grouped by expert first (`sort`), so GEMM1 reads the forward's
+    # own order and waits at once.
+    by_expert = dict(block_m=1, g1=dict(tm.ONE_ROW["g1"], sort=True), g2=tm.ONE_ROW["g2"])
+    rows = {"one-row": tm.ONE_ROW, "one-row-sorted": by_expert, "mma8": tm.MMA8, "bm16": tm.TENSOR_BM16}
+    table = [(1 << 62, rows[row])]
+    fast = tm.TritonW4A16MoE(weights, max_m=32, table=table)
+    serial = tm.TritonW4A16MoE(weights, max_m=32, table=table, pdl=False)
+    assert fast.pdl_reason is None and fast.configs_used(m)["pdl"] is True
+    assert serial.configs_used(m)["pdl"] is False
+    inputs = []
+    for seed in range(8):
+        gen = torch.Generator(device="cuda").manual_seed(100 + seed)
+        x, ids, wts = cli.make_inputs(shape, m, torch.bfloat16, torch.device("cuda"), gen)
+        inputs.append((x, ids.to(torch.int32).contiguous(), wts.to(torch.float32).contiguous()))
+    fast(*inputs[0])  # compiled and its buffers made outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [fast(*args) for args in inputs]
+    for _ in range(3):
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, args in enumerate(inputs):
+            expected = serial(*args)
+            torch.cuda.synchronize()
+            assert torch.equal(outs[i], expected), f"forward {i} of the graph differs from the serial one"
+    assert cli.relative_error(outs[0], reference_moe(weights, *inputs[0])) < 1e-2
