@@ -210,7 +210,10 @@ def main(argv=None) -> int:
     parser.add_argument("--harness-out", default="", help="with --harness: its results JSON")
     parser.add_argument("--interleave", type=int, default=0,
                         help="rounds per M of the harness's own timing (moe_bench.cli.time_one_m, same backend) "
-                             "alternating with this script's; the figures compared are each one's median over the rounds")
+                             "alternating with this script's; the figures compared are each one's median over the "
+                             "rounds. Give an even number: the method that runs second in a round finds the GPU "
+                             "hotter and its SM clock lower (at the power limit, PERFORMANCE.md round 21), and only "
+                             "an even number of rounds puts each method second as often as the other")
     parser.add_argument("--agree-pct", type=float, default=5.0)
     parser.add_argument("--same-routings", action="store_true",
                         help="time the harness's routings (its seed) instead of this script's own")
@@ -221,6 +224,9 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda:0", help="cpu: the script's control flow only (interpreter)")
     args = parser.parse_args(argv)
     offset = 0 if args.same_routings else ROUTING_SEED_OFFSET
+    if args.interleave % 2:
+        print(f"warning: --interleave {args.interleave} is odd: the harness runs second in fewer rounds than this "
+              "script's timing, which biases the comparison (see --help)", flush=True)
 
     m_list = sorted({int(v) for v in args.m_list.split(",")})
     device = torch.device(args.device)

@@ -60,6 +60,11 @@ On an sm_90 GPU with Gluon, a third path exists for the tensor-core M range: moe
 on its first call and falling back to them on any failure (TritonW4A16MoE._gluon_runs); it is
 not selected by default (measured slower, PERFORMANCE.md round 16; MOE_BENCH_GLUON=force runs it).
 
+From sm_90 every kernel of a forward launches with programmatic dependent launch (PDL): the
+next kernel's programs take the SMs the last programs of the one before leave idle and wait
+there (griddepcontrol.wait) for it to complete; the one-row GEMMs after the first load their
+first step's weights before that wait (see the note above _pdl_enter).
+
 Constraints (ValueError otherwise): group size a power of two, at least 32 (so every 32-value
 chunk lies inside one group); hidden and inter multiples of the group size. Tiles come from
 the shape's table per M (table_for), fitted to the device (fit_to_device) and shrunk to divide
