@@ -140,13 +140,14 @@ def graph_time_us(moe, shape, m: int, device, seed: int, replays: int, budget_s:
 class ClockSampler:
     """nvidia-smi's SM clock and power every 20 ms in the background, with host timestamps."""
 
-    def __init__(self):
+    def __init__(self, device):
         import subprocess
         import threading
 
         self.samples: list[tuple[float, float, float]] = []
         self._proc = subprocess.Popen(
-            ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "20"],
+            ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "20",
+             "-i", str(cli._physical_index(device))],
             stdout=subprocess.PIPE, text=True)
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
@@ -274,7 +275,7 @@ def main(argv=None) -> int:
         row = dict(m=m, rel_err=error, ok=ok)
         if ok and settings is not None:
             rounds, windows = [], []
-            sampler = ClockSampler() if args.clocks else None
+            sampler = ClockSampler(device) if args.clocks else None
             for index in range(args.interleave):
                 # The order alternates: whichever runs second finds the GPU warmer (its clock falls
                 # as it nears the power limit), so a fixed order biases the comparison.

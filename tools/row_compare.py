@@ -40,15 +40,7 @@ def shipped_with(weights, shape, max_m: int, change: dict):
         if _path(row) in paths:
             row = dict(row, **{w: dict(row[w], **change.get(w, {})) for w in ("g1", "g2")})
         table.append((limit, row))
-    saved = tm.PRESET_TABLES.get(shape)
-    tm.PRESET_TABLES[shape] = table  # read once, at construction: the backend keeps this table
-    try:
-        return tm.TritonW4A16MoE(weights, max_m, gluon=False, pdl=change.get("pdl", True))
-    finally:
-        if saved is None:
-            del tm.PRESET_TABLES[shape]
-        else:
-            tm.PRESET_TABLES[shape] = saved
+    return tm.TritonW4A16MoE(weights, max_m, table=table, gluon=False, pdl=change.get("pdl", True), fit_device=True)
 
 
 def main(argv=None) -> int:

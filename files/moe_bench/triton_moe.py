@@ -125,18 +125,6 @@ def _pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
-def _pdl_wait(PDL: tl.constexpr):
-    if PDL:
-        _gdc_wait()
-
-
-@triton.jit
-def _pdl_release(PDL: tl.constexpr):
-    if PDL:
-        _gdc_launch_dependents()
-
-
-@triton.jit
 def _align_kernel(
     topk_ids_ptr,
     num_slots,
@@ -1685,7 +1673,7 @@ class TritonW4A16MoE:
     """Fused W4A16 MoE forward on packed int4 weights; see the module docstring."""
 
     def __init__(self, weights: quant.MoEWeights, max_m: int, table=None, gluon: bool = True,
-                 layer: quant.MoEShape | None = None, pdl: bool = True):
+                 layer: quant.MoEShape | None = None, pdl: bool = True, fit_device: bool | None = None):
         _check_shape(weights.shape)
         if max_m < 1:
             raise ValueError(f"max_m must be at least 1, got {max_m}")
@@ -1706,7 +1694,7 @@ class TritonW4A16MoE:
         # The shape's table fitted to the device it runs on (read here, at run time); a table
         # given by the caller (tests, tuning scripts) runs as given.
         self.limits = device_limits(device)
-        self._fit_device = table is None
+        self._fit_device = table is None if fit_device is None else fit_device
         self.table = table_for(self.layer, self.limits) if table is None else table
         self._workspace: dict[torch.dtype, dict] = {}
         block_m = _max_block_m(max_m, self.table)
