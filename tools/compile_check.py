@@ -163,12 +163,10 @@ def compile_gemm(which: int, block_m: int, g: dict, group: int = 32, overlap: bo
     return triton.compile(src, target=target or TARGET, options=dict(num_warps=g["warps"], num_stages=g["stages"]))
 
 
-def compile_gluon(which: str, group: int = 32, *, target=None):
+def compile_gluon(which: str, tile: dict, group: int = 32, *, target=None):
     """The Gluon path's warp-specialised GEMM (gluon_moe._ws_gemm_kernel) as GEMM1 ("g1") or
-    GEMM2 ("g2") with its tile (gluon_moe.GLUON_TILES)."""
+    GEMM2 ("g2") with one of its tiles (gluon_moe.tile_sets())."""
     from triton.experimental.gluon._runtime import GluonASTSource
-
-    tile = gluon_moe.GLUON_TILES[which]
 
     def desc(dtype: str, block, layout) -> str:
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
@@ -180,7 +178,7 @@ def compile_gluon(which: str, group: int = 32, *, target=None):
                  "stride_sg": "i32", "stride_om": "i32", "w_row_groups": "i32"}
     constants = dict(BM=tile["bm"], BNC=tile["bnc"], GROUP=group, GATE_UP=which == "g1", STAGES=tile["stages"],
                      CONSUMER_REGS=tile.get("consumer_regs", 232), PRODUCER_REGS=tile.get("producer_regs", 40),
-                     SS=bool(tile.get("ss", False)))
+                     BYTE_L=gluon_moe.byte_layout(tile["bnc"]))
     for name in constants:
         signature[name] = "constexpr"
     src = GluonASTSource(gluon_moe._ws_gemm_kernel, signature, constants, {})
@@ -307,12 +305,15 @@ def portability_jobs(archs: list[int], shapes) -> list[dict]:
         for shape_label, shape in shapes:
             if gluon_moe.shape_unavailable_reason(shape) is not None:
                 continue
-            for which in ("g1", "g2"):
-                key = json.dumps(dict(arch=arch, gluon=which, group=shape.group_size))
-                if key not in seen:
-                    seen[key] = dict(arch=arch, gluon=which, group=shape.group_size, used_by=[])
-                    jobs.append(seen[key])
-                seen[key]["used_by"].append(f"{shape_label} (Gluon path)")
+            for tiles in gluon_moe.tile_sets():
+                for which in ("g1", "g2"):
+                    key = json.dumps(dict(arch=arch, gluon=which, tile=tiles[which], group=shape.group_size),
+                                     sort_keys=True)
+                    if key not in seen:
+                        seen[key] = dict(arch=arch, gluon=which, tile=tiles[which], group=shape.group_size,
+                                         used_by=[])
+                        jobs.append(seen[key])
+                    seen[key]["used_by"].append(f"{shape_label} (Gluon path)")
     return jobs
 
 
@@ -333,7 +334,7 @@ def check_gluon_job(job: dict) -> dict:
     """Compile the Gluon path's kernel for job's architecture, or say why it does not apply there."""
     started = time.perf_counter()
     arch, limits = job["arch"], ARCHS[job["arch"]]
-    tile = gluon_moe.GLUON_TILES[job["gluon"]]
+    tile = job["tile"]
     label = (f"sm_{arch} GEMM{job['gluon'][1]} Gluon warp-specialised bm{tile['bm']},bnc={tile['bnc']},"
              f"stages={tile['stages']}")
     reason = gluon_moe.path_unavailable_reason(limits.capability, gluon_moe.api_error(), env={})
@@ -342,7 +343,7 @@ def check_gluon_job(job: dict) -> dict:
                     summary="n/a", not_applicable=True, seconds=time.perf_counter() - started)
     problems = []
     try:
-        d = describe(compile_gluon(job["gluon"], job["group"], target=GPUTarget("cuda", arch, 32)))
+        d = describe(compile_gluon(job["gluon"], tile, job["group"], target=GPUTarget("cuda", arch, 32)))
     except Exception as exc:
         return dict(label=label, used_by=job["used_by"], problems=[f"compile failed: {type(exc).__name__}: "
                                                                    f"{str(exc)[:300]}"], notes=[],

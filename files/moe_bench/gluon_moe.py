@@ -6,35 +6,44 @@ module is written against (Triton 3.6's: `gl.warp_specialize(functions_and_args,
 worker_num_warps, worker_num_regs)`, Hopper's `warpgroup_mma`, `mbarrier`, `tma`), a GPU of
 compute capability 9.0 (warp-group MMA and the tensor copy engine as used here exist on sm_90
 alone: sm_100 has its own MMA, sm_80/89/120 have neither), and a shape whose K dimensions
-are whole 64-value blocks and whose output columns divide into the tile (shape_unavailable_reason).
+are whole pairs of 64-value blocks and whose output columns divide into the tile
+(shape_unavailable_reason).
 Elsewhere the plain-Triton kernels of triton_moe run, and the results say which path ran
 and why (TritonW4A16MoE.configs_used).
 
-Per forward (M in the rows that take this path):
+Per forward (M in the rows that take this path; the tiles by slots per expert, tiles_for):
   1. triton_moe's _align_kernel and _scatter_kernel group the slots by expert into blocks of
      BM rows (as the plain-Triton path does);
   2. _gather_kernel (plain Triton): each block's owner and row count, and the activation rows
-     gathered into sorted order, each 64-value K block in the operand order below (padded rows
-     zero), so every block's rows are one contiguous tile the copy engine can fetch;
+     gathered into sorted order (contiguous loads, the operand order below made in registers,
+     padded rows zero), so every block's rows are one contiguous tile the copy engine can fetch;
   3. _ws_gemm_kernel as GEMM1 (gate and up of w13, SiLU(gate) * up in the epilogue, stored in
      sorted order and in the same operand order for GEMM2), then as GEMM2 (w2, times each
      slot's top-k weight, stored per slot);
   4. triton_moe's _topk_sum_kernel.
 
 _ws_gemm_kernel: one program per (block of BM sorted rows, tile of 2 * BNC weight rows), three
-partitions: a producer warp that issues the copy-engine loads of each K step (the rows' two
-halves, the packed weight tiles) into a ring of STAGES shared-memory buffers, each completing
-on its `ready` mbarrier, and two consumer warp groups, each owning BNC weight rows (GEMM1:
-BNC gate and BNC up columns): wait for a stage, load their packed bytes from shared memory in
-the warp-group MMA's register-operand layout, convert each weight once (nibble to bf16 and
-scale, two PTX blocks per pair of bytes, as the plain-Triton path's _PAIR_NIBBLES_PTX),
-issue the MMAs with the activations from shared memory, wait for them and release the stage
-(an `empty` mbarrier that both consumers arrive on).
+partitions: a producer warp that issues the copy-engine loads of each 64-value K step (the
+rows' two halves, the packed weight tiles) into a ring of STAGES shared-memory buffers, each
+completing on its `ready` mbarrier, and two consumer warp groups, each owning BNC weight rows
+(GEMM1: BNC gate and BNC up columns). A consumer waits for a stage, loads its packed bytes with
+one 8-byte shared-memory load per thread and row (byte_layout: 8 consecutive bytes, 16
+weights, all of one 32-value scale group, so one scale per row and step), converts each
+4-byte word with 15 instructions (_WORD_PTX: nibble to bf16 under the exponent of 128, minus
+136, times the scale), relabels K so that the registers already are the warp-group MMA's
+register operand (no data movement: the conversion's assert_trivial), issues the MMAs with
+the activations from shared memory, and while they run converts the next step's weights; the
+K loop is unrolled by two so the two operand sets take turns without register copies.
 
 Operand order: a 64-value K block of the packed layout holds in its 32 bytes per column the
-values 0-15 and 32-47 in the low nibbles and 16-31 and 48-63 in the high nibbles; the rows
-are stored with the low nibbles' 32 values first, then the high nibbles' (_operand_pos), so a
-step's two MMAs each take one contiguous 32-value half: no nibble is ever interleaved.
+values 0-15 and 32-47 in the low nibbles and 16-31 and 48-63 in the high nibbles. A consumer
+thread (lane t of a quad, bits t0 t1) holds bytes 8t..8t+7 of its rows, its register e (bits
+e0 e1 e2) byte 8t + 4 e2 + 2 e0 + e1 (the word conversion pairs bytes 0 and 2, 1 and 3), which
+the MMA's register layout puts at K position 16 e2 + 8 e1 + 4 t1 + 2 t0 + e0 of the step's
+low-nibble (or high-nibble) half. The activations are stored to match (operand_positions:
+K = 32 c + 16 h + 8 i3 + 4 i2 + 2 i1 + i0 of a block goes to position 32 h + 16 i2 + 8 i0 + 4 c
++ 2 i3 + i1): the gather for GEMM1, GEMM1's epilogue for GEMM2's operand, so a step's two MMAs
+each take one contiguous 32-value half of the rows.
 """
 
 from __future__ import annotations
@@ -61,25 +70,75 @@ except Exception as exc:  # noqa: BLE001 - any failure means "no Gluon path", wi
 
 PATH_NAME = "gluon-hopper-ws"
 
-# The tile: BM sorted rows per block (the MMA's N), BNC weight rows per consumer warp group
-# (the MMA's M; GEMM1 takes BNC gate and BNC up rows), STAGES shared-memory stages.
-GLUON_TILES = {
+# A tile: BM sorted rows per block (the MMA's N), BNC weight rows per consumer warp group (the
+# MMA's M; GEMM1 takes BNC gate and BNC up rows), STAGES shared-memory stages; CONSUMER_REGS and
+# PRODUCER_REGS the registers each warp group asks for (setmaxnreg; 2 x 128 x consumer +
+# 128 x producer within the SM's 65536).
+TILES_BM64 = {
     "g1": dict(bm=64, bnc=64, stages=4),
     "g2": dict(bm=64, bnc=128, stages=4),
 }
+TILES_BM128 = {
+    "g1": dict(bm=128, bnc=64, stages=4),
+    "g2": dict(bm=128, bnc=128, stages=4),
+}
+# Tiles by slots per expert (M x topk / experts of the layer): (up to this many, tiles), the
+# last row without a bound. 128 sorted rows per block from where the experts' blocks are full
+# enough that the larger tile's weight reuse outweighs its padding: at 64 slots per expert bm128
+# was 4-13% faster than bm64 on every preset measured, at 43 (kimi-k2.6 M=2048) 31% slower
+# (PERFORMANCE.md, round 22).
+GLUON_TILE_ROWS = [(48.0, TILES_BM64), (None, TILES_BM128)]
 # The smallest slots per expert at which this path can run (below it the plain-Triton rows
 # with block_m 16 or 32 pad less): where the shipped rule takes block_m 64 (see
 # triton_moe.SLOTS_PER_EXPERT_ROWS).
 MIN_SLOTS_PER_EXPERT = 24.0
 # K values per program of the gather (a multiple of 64: whole operand-order blocks).
-GATHER_BK = 512
-# Whether the backend picks it by itself where it can run. Measured on one H200 (PERFORMANCE.md,
-# round 16): correct, but 1.7-2.8x slower than the plain-Triton rows at every M tried (kimi-k2.6
-# M=512-8192), so not picked; MOE_BENCH_GLUON=force runs it wherever it can run (measurement and
-# tuning), MOE_BENCH_GLUON=0 never.
-SELECTED_BY_DEFAULT = False
-NOT_SELECTED = ("not selected: slower than the plain-Triton kernels at every M measured on the H200 "
-                "(PERFORMANCE.md, round 16); MOE_BENCH_GLUON=force runs it")
+GATHER_BK = 128
+# The slots per expert from which the backend picks this path by itself (None: never). Measured
+# on one H200 against the plain-Triton rows (PERFORMANCE.md, round 22): from 85 slots per expert
+# faster on every preset (kimi-k2.6 M=4096-8192 by 8-26%, deepseek-v3 M=4096 18%, qwen3-235b-a22b
+# M=2048-3072 19-22%, mixtral-8x7b M=512-2048 14-38%); at 64 within 6% either way; below, slower.
+# MOE_BENCH_GLUON=force runs it wherever it can run (measurement and tuning), MOE_BENCH_GLUON=0
+# never.
+SELECT_SLOTS_PER_EXPERT: float | None = 80.0
+NOT_SELECTED = (f"not selected at this M: below {SELECT_SLOTS_PER_EXPERT:g} slots per expert the plain-Triton "
+                "kernels are as fast or faster on the H200 (PERFORMANCE.md, round 22); MOE_BENCH_GLUON=force runs it")
+
+
+def slots_per_expert(shape: quant.MoEShape, m: int) -> float:
+    return m * shape.topk / shape.experts
+
+
+def tiles_for(shape: quant.MoEShape, m: int) -> dict:
+    """The tiles (GLUON_TILE_ROWS) for M on this layer."""
+    spe = slots_per_expert(shape, m)
+    for bound, tiles in GLUON_TILE_ROWS:
+        if bound is None or spe <= bound:
+            return tiles
+    raise ValueError("GLUON_TILE_ROWS has no unbounded last row")
+
+
+def tile_sets() -> list[dict]:
+    """Every distinct tile set of GLUON_TILE_ROWS (what the compile check builds)."""
+    out = []
+    for _, tiles in GLUON_TILE_ROWS:
+        if tiles not in out:
+            out.append(tiles)
+    return out
+
+
+def max_block_m(shape: quant.MoEShape, max_m: int) -> int:
+    """The largest block any M up to max_m runs with (the workspace's padding)."""
+    spe = slots_per_expert(shape, max_m)
+    bms = []
+    lower = 0.0
+    for bound, tiles in GLUON_TILE_ROWS:
+        if spe > lower or not bms:
+            bms.append(tiles["g1"]["bm"])
+        if bound is None:
+            break
+        lower = bound
+    return max(bms)
 
 
 def api_error() -> str | None:
@@ -118,11 +177,12 @@ def path_unavailable_reason(capability, api_problem: str | None = None, env: dic
 def shape_unavailable_reason(shape: quant.MoEShape) -> str | None:
     """Why this layer shape does not fit the Gluon kernels' tiles (None: it does)."""
     for which, k, n, gate_up in (("GEMM1", shape.hidden, shape.inter, True), ("GEMM2", shape.inter, shape.hidden, False)):
-        tile = GLUON_TILES["g1" if gate_up else "g2"]
-        if k % 64:
-            return f"{which}'s K={k} is not a multiple of 64"
-        if n % (2 * tile["bnc"]):
-            return f"{which}'s N={n} is not a multiple of its tile's {2 * tile['bnc']} columns"
+        if k % 128:
+            return f"{which}'s K={k} is not a multiple of 128 (the K loop takes two 64-value steps a turn)"
+        for tiles in tile_sets():
+            columns = 2 * tiles["g1" if gate_up else "g2"]["bnc"]
+            if n % columns:
+                return f"{which}'s N={n} is not a multiple of its tile's {columns} columns"
     if shape.group_size % 32:
         return f"group size {shape.group_size} is not a multiple of 32"
     return None
@@ -130,13 +190,16 @@ def shape_unavailable_reason(shape: quant.MoEShape) -> str | None:
 
 def can_run_at(shape: quant.MoEShape, m: int) -> bool:
     """Whether M is in the range this path can run for (slots per expert)."""
-    return m * shape.topk / shape.experts >= MIN_SLOTS_PER_EXPERT
+    return slots_per_expert(shape, m) >= MIN_SLOTS_PER_EXPERT
 
 
-def selected(env: dict | None = None) -> bool:
-    """Whether the path is picked where it can run: SELECTED_BY_DEFAULT, or MOE_BENCH_GLUON=force."""
+def selected(shape: quant.MoEShape, m: int, env: dict | None = None) -> bool:
+    """Whether the path is picked at this M where it can run: from SELECT_SLOTS_PER_EXPERT
+    slots per expert, or anywhere with MOE_BENCH_GLUON=force."""
     env = os.environ if env is None else env
-    return SELECTED_BY_DEFAULT or env.get("MOE_BENCH_GLUON", "") == "force"
+    if env.get("MOE_BENCH_GLUON", "") == "force":
+        return True
+    return SELECT_SLOTS_PER_EXPERT is not None and slots_per_expert(shape, m) >= SELECT_SLOTS_PER_EXPERT
 
 
 # ---------------------------------------------------------------------------
@@ -144,13 +207,15 @@ def selected(env: dict | None = None) -> bool:
 # ---------------------------------------------------------------------------
 
 
-@triton.jit
-def _operand_pos(k):
-    """Position of K index k in the operand order: per 64-value block, the low nibbles'
-    values (0-15, 32-47) first, then the high nibbles' (16-31, 48-63)."""
-    r = k % 64
-    i = r % 32
-    return k - r + (i // 16) * 32 + (r // 32) * 16 + i % 16
+def operand_positions(k: int) -> list[int]:
+    """For each K index 0..k-1 (k a multiple of 64), its position in the operand order (the
+    gathered rows' and the intermediate's): _operand_pos on the host, for tests and tools."""
+    out = []
+    for kk in range(k):
+        r = kk % 64
+        i0, i1, i2, i3, h, c = [(r >> s) & 1 for s in range(6)]
+        out.append(kk - r + 32 * h + 16 * i2 + 8 * i0 + 4 * c + 2 * i3 + i1)
+    return out
 
 
 @triton.jit
@@ -170,12 +235,15 @@ def _gather_kernel(x_ptr, out_ptr, sorted_slot_ptr, counts_ptr, starts_ptr, ends
     slot = tl.load(sorted_slot_ptr + pid_b * BLOCK_M + offs_m, mask=row_ok, other=0)
     token = (slot // TOPK).to(tl.int64)
     offs_k = pid_k * BK + tl.arange(0, BK)
+    # Contiguous (vectorised) loads of each row's K range, the operand order made in registers:
+    # per 64-value block K = 32 c + 16 h + 8 i3 + 4 i2 + 2 i1 + i0 goes to position
+    # 32 h + 16 i2 + 8 i0 + 4 c + 2 i3 + i1 (operand_positions), then a contiguous store. (A load
+    # through the permuted indices instead cannot be vectorised: one 2-byte load per value, about
+    # 6x slower at kimi-k2.6's M=8192, PERFORMANCE.md round 22.)
     vals = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :], mask=row_ok[:, None], other=0.0)
+    vals = tl.reshape(vals, [BLOCK_M, BK // 64, 2, 2, 2, 2, 2, 2])  # c, h, i3, i2, i1, i0
+    vals = tl.reshape(tl.permute(vals, (0, 1, 3, 5, 7, 2, 4, 6)), [BLOCK_M, BK])  # h, i2, i0, c, i3, i1
     rows = (pid_b * BLOCK_M + offs_m).to(tl.int64)
-    # K = 64 b + 32 c + 16 h + i goes to position 64 b + 32 h + 16 c + i (_operand_pos): the two
-    # middle axes swapped in registers, then one contiguous store (a store through
-    # _operand_pos's offsets ran element by element: 2.7 ms at kimi-k2.6 M=2048, round 16).
-    vals = tl.reshape(tl.permute(tl.reshape(vals, (BLOCK_M, BK // 64, 2, 2, 16)), (0, 1, 3, 2, 4)), (BLOCK_M, BK))
     tl.store(out_ptr + rows[:, None] * stride_om + offs_k[None, :], vals)
 
 
@@ -183,27 +251,67 @@ def _gather_kernel(x_ptr, out_ptr, sorted_slot_ptr, counts_ptr, starts_ptr, ends
 # The warp-specialised GEMM (Gluon)
 # ---------------------------------------------------------------------------
 
+# Four packed bytes ($4) and their scale ($5, bf16x2; $6, the same) -> the low nibbles' weights
+# ($0: bytes 0 and 2, $1: bytes 1 and 3) and the high nibbles' ($2, $3), (u - 8) * s in bf16
+# (exact before the one rounding): a nibble written under the bf16 exponent of 128 reads as
+# 128 + u, one fma subtracts 136, one multiplies by the scale. 15 instructions for 8 weights.
+_WORD_PTX = (
+    "{ .reg .b32 t1, t2, t3, a, b, c, d, one, off, mz;\n"
+    "mov.b32 one, 0x3F803F80;\n"
+    "mov.b32 off, 0xC308C308;\n"
+    "mov.b32 mz, 0x80008000;\n"
+    "shr.b32 t1, $4, 4;\n"
+    "shr.b32 t2, $4, 8;\n"
+    "shr.b32 t3, $4, 12;\n"
+    "lop3.b32 a, $4, 0x000F000F, 0x43004300, 0xEA;\n"
+    "lop3.b32 b, t2, 0x000F000F, 0x43004300, 0xEA;\n"
+    "lop3.b32 c, t1, 0x000F000F, 0x43004300, 0xEA;\n"
+    "lop3.b32 d, t3, 0x000F000F, 0x43004300, 0xEA;\n"
+    "fma.rn.bf16x2 a, a, one, off;\n"
+    "fma.rn.bf16x2 b, b, one, off;\n"
+    "fma.rn.bf16x2 c, c, one, off;\n"
+    "fma.rn.bf16x2 d, d, one, off;\n"
+    "fma.rn.bf16x2 $0, a, $5, mz;\n"
+    "fma.rn.bf16x2 $1, b, $5, mz;\n"
+    "fma.rn.bf16x2 $2, c, $5, mz;\n"
+    "fma.rn.bf16x2 $3, d, $5, mz; }")
+
+
+def byte_layout(rows: int):
+    """The layout a consumer warp group loads its [rows, 2, 16] packed bytes in (per row: the
+    step's 32 bytes as two 16-byte chunks, one scale group each): each thread holds 8
+    consecutive bytes (one 8-byte shared-memory load) of rows r and r + 8 of its warp's 16, the
+    lanes as the warp-group MMA's register operand has them (lane % 4 along K, lane / 4 along
+    the rows), so that after the conversion a relabelling of K (no data movement) gives that
+    operand's layout."""
+    reg = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]] + [[64 * (1 << i), 0, 0] for i in range((rows // 64).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 0, 8], [0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                                      warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[rows, 2, 16])
+
+
 def _define_kernels():
     """The Gluon kernels, defined only where Gluon imports (a version whose names differ
     leaves GLUON_IMPORT_ERROR saying so instead of failing the payload's import)."""
-    global _tma_load, _warps_barrier, _PAIR_PTX, _SCALE_PTX, _convert, _producer, _consumer, _convert_to_smem
-    global _consumer_ss, _consumer_0, _consumer_1, _ws_gemm_kernel
+    global _tma_load, _WORD, _convert, _step, _producer, _consumer, _consumer_0, _consumer_1, _ws_gemm_kernel
     # The copy-engine load is tma.async_copy_global_to_shared in Triton 3.6, tma.async_load later.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    # The barrier of the running warps: gl.thread_barrier in Triton 3.6, gl.barrier later.
-    _warps_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    _PAIR_PTX = gl.constexpr(tm._PAIR_NIBBLES_PTX.value)
-    _SCALE_PTX = gl.constexpr("{ .reg .b32 mz;\nmov.b32 mz, 0x80008000;\nfma.rn.bf16x2 $0, $1, $2, mz; }")
+    _WORD = gl.constexpr(_WORD_PTX)
 
     @gluon.jit
-    def _convert(p, s):
-        """Packed bytes p (uint8) and their scales s (bf16, same layout) -> the weights of the
-        low and of the high nibbles, (u - 8) * s in bf16, exact before the one rounding."""
-        lo, hi = gl.inline_asm_elementwise(_PAIR_PTX, "=r,=r,r", [p], dtype=(gl.bfloat16, gl.bfloat16),
-                                           is_pure=True, pack=2)
-        lo = gl.inline_asm_elementwise(_SCALE_PTX, "=r,r,r", [lo, s], dtype=gl.bfloat16, is_pure=True, pack=2)
-        hi = gl.inline_asm_elementwise(_SCALE_PTX, "=r,r,r", [hi, s], dtype=gl.bfloat16, is_pure=True, pack=2)
-        return lo, hi
+    def _convert(w_rows, s2, BYTE_L: gl.constexpr, A_L: gl.constexpr, R: gl.constexpr):
+        """A consumer's R rows of a stage's packed bytes (w_rows: shared memory, [R, 2, 16] uint8)
+        and their scales (s2: [R, 2], one per row and 32-value chunk) -> the weights of the low
+        and of the high nibbles as the MMA's register operands ([R, 32] bf16 each, in A_L)."""
+        p = w_rows.load(BYTE_L)
+        s = gl.expand_dims(s2, 2).broadcast_to([R, 2, 16])
+        lo, hi = gl.inline_asm_elementwise(_WORD, "=r,=r,=r,=r,r,r,r", [p, s], dtype=(gl.bfloat16, gl.bfloat16),
+                                           is_pure=True, pack=4)
+        # Register e (bits e0 e1 e2) of lane t (t0 t1) holds byte 8 t + 4 e2 + 2 e0 + e1's nibble
+        # (the asm pairs bytes 0 and 2, 1 and 3); as K position 16 e2 + 8 e1 + 4 t1 + 2 t0 + e0
+        # that is the register operand's layout, so the conversion below moves nothing.
+        lo = lo.reshape([R, 2, 2, 2, 2, 2]).permute((0, 3, 4, 1, 2, 5)).reshape([R, 32])
+        hi = hi.reshape([R, 2, 2, 2, 2, 2]).permute((0, 3, 4, 1, 2, 5)).reshape([R, 32])
+        return gl.convert_layout(lo, A_L, assert_trivial=True), gl.convert_layout(hi, A_L, assert_trivial=True)
 
     @gluon.jit
     def _producer(x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k,
@@ -225,189 +333,129 @@ def _define_kernels():
                 _tma_load(w_desc, [wrow_u, i * 32, 0], bar, w_bufs.index(2 * s + 1))
 
     @gluon.jit
-    def _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr, stride_om,
-                  topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID: gl.constexpr, BM: gl.constexpr,
-                  BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr):
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BM, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    def _step(i, wl, wh, ul, uh, acc_g, acc_u, sg, su, x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u,
+              stride_sg, offs_n, offs_c, num_k, CID: gl.constexpr, BNC: gl.constexpr, GROUP: gl.constexpr,
+              GATE_UP: gl.constexpr, STAGES: gl.constexpr, BYTE_L: gl.constexpr, A_L: gl.constexpr):
+        """One K step of a consumer: its MMAs on the converted operands (wl, wh; GEMM1 also ul,
+        uh), and while they run the next step's weights converted (returned) and the scales of the
+        one after fetched; then the wait for the MMAs and the stage released."""
         BNH: gl.constexpr = 2 * BNC
-        acc_g = gl.zeros([BNC, BM], gl.float32, mma_layout)
-        acc_u = gl.zeros([BNC, BM], gl.float32, mma_layout)
-        offs_n = CID * BNC + gl.arange(0, BNC, layout=gl.SliceLayout(1, a_layout))
-        offs_j = gl.arange(0, 32, layout=gl.SliceLayout(0, a_layout))
-        chunk_k = (offs_j // 16) * 32  # K offset (in the step) of each byte's 32-value chunk
-        # Software-pipelined: while a step's MMAs run, the next step's weights are loaded and
-        # converted and the scales of the one after are fetched; the operands of the MMAs in
-        # flight stay live (passed to the wait) so nothing overwrites them early.
-        sg = gl.load(s_ptr + s_base_g + ((chunk_k // GROUP)[None, :] * stride_sg + offs_n[:, None]))
-        su = gl.load(s_ptr + s_base_u + ((chunk_k // GROUP)[None, :] * stride_sg + offs_n[:, None]))
-        mbarrier.wait(ready.index(0), 0)
-        wl, wh = _convert(w_bufs.index(0).reshape([BNH, 32]).slice(CID * BNC, BNC, 0).load(a_layout), sg)
-        ul, uh = wl, wh
+        s = i % STAGES
+        xl = x_bufs.index(2 * s).permute((1, 0))
+        xh = x_bufs.index(2 * s + 1).permute((1, 0))
+        acc_g = warpgroup_mma(wl, xl, acc_g, is_async=True)
+        acc_g = warpgroup_mma(wh, xh, acc_g, is_async=True)
         if GATE_UP:
-            ul, uh = _convert(w_bufs.index(1).reshape([BNH, 32]).slice(CID * BNC, BNC, 0).load(a_layout), su)
-        i2 = 1 % num_k
-        s_off = ((i2 * 64 + chunk_k) // GROUP)[None, :] * stride_sg + offs_n[:, None]
+            acc_u = warpgroup_mma(ul, xl, acc_u, is_async=True)
+            acc_u = warpgroup_mma(uh, xh, acc_u, is_async=True)
+        i1 = i + 1
+        s1 = i1 % STAGES
+        mbarrier.wait(ready.index(s1), (i1 // STAGES) & 1, pred=i1 < num_k)
+        nl, nh = _convert(w_bufs.index(2 * s1).reshape([BNH, 2, 16]).slice(CID * BNC, BNC, 0), sg, BYTE_L, A_L, BNC)
+        ml, mh = nl, nh
+        if GATE_UP:
+            ml, mh = _convert(w_bufs.index(2 * s1 + 1).reshape([BNH, 2, 16]).slice(CID * BNC, BNC, 0), su, BYTE_L,
+                              A_L, BNC)
+        s_off = ((gl.minimum(i + 2, num_k - 1) * 64 + 32 * offs_c) // GROUP)[None, :] * stride_sg + offs_n[:, None]
         sg = gl.load(s_ptr + s_base_g + s_off)
         if GATE_UP:
             su = gl.load(s_ptr + s_base_u + s_off)
-        for i in range(num_k):
-            s = i % STAGES
-            xl = x_bufs.index(2 * s).permute((1, 0))
-            xh = x_bufs.index(2 * s + 1).permute((1, 0))
-            acc_g = warpgroup_mma(wl, xl, acc_g, is_async=True)
-            acc_g = warpgroup_mma(wh, xh, acc_g, is_async=True)
-            if GATE_UP:
-                acc_u = warpgroup_mma(ul, xl, acc_u, is_async=True)
-                acc_u = warpgroup_mma(uh, xh, acc_u, is_async=True)
-            i1 = i + 1
-            s1 = i1 % STAGES
-            mbarrier.wait(ready.index(s1), (i1 // STAGES) & 1, pred=i1 < num_k)
-            nl, nh = _convert(w_bufs.index(2 * s1).reshape([BNH, 32]).slice(CID * BNC, BNC, 0).load(a_layout), sg)
-            ml, mh = nl, nh
-            if GATE_UP:
-                ml, mh = _convert(w_bufs.index(2 * s1 + 1).reshape([BNH, 32]).slice(CID * BNC, BNC, 0).load(a_layout),
-                                  su)
-            i2 = (i + 2) % num_k
-            s_off = ((i2 * 64 + chunk_k) // GROUP)[None, :] * stride_sg + offs_n[:, None]
-            sg = gl.load(s_ptr + s_base_g + s_off)
-            if GATE_UP:
-                su = gl.load(s_ptr + s_base_u + s_off)
-                acc_g, acc_u, wl, wh, ul, uh = warpgroup_mma_wait(num_outstanding=0,
-                                                                 deps=(acc_g, acc_u, wl, wh, ul, uh))
-            else:
-                acc_g, wl, wh = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, wl, wh))
-            mbarrier.arrive(empty.index(s), count=1)
-            wl, wh, ul, uh = nl, nh, ml, mh
+            acc_g, acc_u, wl, wh, ul, uh = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u, wl, wh, ul, uh))
+        else:
+            acc_g, wl, wh = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, wl, wh))
+        mbarrier.arrive(empty.index(s), count=1)
+        return acc_g, acc_u, nl, nh, ml, mh, sg, su
+
+    @gluon.jit
+    def _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr, stride_om,
+                  topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID: gl.constexpr, BM: gl.constexpr,
+                  BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
+                  BYTE_L: gl.constexpr):
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+        s_layout: gl.constexpr = gl.SliceLayout(2, BYTE_L)
+        BNH: gl.constexpr = 2 * BNC
+        acc_g = gl.zeros([BNC, BM], gl.float32, mma_layout)
+        acc_u = gl.zeros([BNC, BM], gl.float32, mma_layout)
+        offs_n = CID * BNC + gl.arange(0, BNC, layout=gl.SliceLayout(1, s_layout))
+        offs_c = gl.arange(0, 2, layout=gl.SliceLayout(0, s_layout))
+        # Software-pipelined: while a step's MMAs run, the next step's weights are loaded and
+        # converted and the scales of the one after are fetched; the operands of the MMAs in
+        # flight stay live (passed to the wait) so nothing overwrites them early.
+        s_off = ((32 * offs_c) // GROUP)[None, :] * stride_sg + offs_n[:, None]
+        sg = gl.load(s_ptr + s_base_g + s_off)
+        su = sg
+        if GATE_UP:
+            su = gl.load(s_ptr + s_base_u + s_off)
+        mbarrier.wait(ready.index(0), 0)
+        wl, wh = _convert(w_bufs.index(0).reshape([BNH, 2, 16]).slice(CID * BNC, BNC, 0), sg, BYTE_L, a_layout, BNC)
+        ul, uh = wl, wh
+        if GATE_UP:
+            ul, uh = _convert(w_bufs.index(1).reshape([BNH, 2, 16]).slice(CID * BNC, BNC, 0), su, BYTE_L, a_layout,
+                              BNC)
+        s_off = ((gl.minimum(1, num_k - 1) * 64 + 32 * offs_c) // GROUP)[None, :] * stride_sg + offs_n[:, None]
+        sg = gl.load(s_ptr + s_base_g + s_off)
+        if GATE_UP:
+            su = gl.load(s_ptr + s_base_u + s_off)
+        # Unrolled by two (num_k is even: shape_unavailable_reason), so the two operand sets
+        # take turns without register copies between steps.
+        for i in range(0, num_k, 2):
+            acc_g, acc_u, nl, nh, ml, mh, sg, su = _step(
+                i, wl, wh, ul, uh, acc_g, acc_u, sg, su, x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u,
+                stride_sg, offs_n, offs_c, num_k, CID, BNC, GROUP, GATE_UP, STAGES, BYTE_L, a_layout)
+            acc_g, acc_u, wl, wh, ul, uh, sg, su = _step(
+                i + 1, nl, nh, ml, mh, acc_g, acc_u, sg, su, x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u,
+                stride_sg, offs_n, offs_c, num_k, CID, BNC, GROUP, GATE_UP, STAGES, BYTE_L, a_layout)
 
         out_layout: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, 4], [0, 1])
-        offs_c = col0 + CID * BNC + gl.arange(0, BNC, layout=gl.SliceLayout(1, out_layout))
+        offs_o = col0 + CID * BNC + gl.arange(0, BNC, layout=gl.SliceLayout(1, out_layout))
         offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
         row_ok = offs_m < rows_used
         if GATE_UP:
             h = acc_g * (1.0 / (1.0 + gl.exp(-acc_g))) * acc_u
             h = gl.convert_layout(h.to(out_ptr.dtype.element_ty), out_layout)
             rows = (row0 + offs_m).to(gl.int64)
-            # Stored in GEMM2's operand order (its K is this GEMM's N).
-            r = offs_c % 64
-            q = r % 32
-            pos = offs_c - r + (q // 16) * 32 + (r // 32) * 16 + q % 16
+            # Stored in GEMM2's operand order (its K is this GEMM's N; operand_positions).
+            r = offs_o % 64
+            pos = (offs_o - r + 32 * ((r >> 4) & 1) + 16 * ((r >> 2) & 1) + 8 * (r & 1) + 4 * ((r >> 5) & 1)
+                   + 2 * ((r >> 3) & 1) + ((r >> 1) & 1))
             gl.store(out_ptr + rows[None, :] * stride_om + pos[:, None], h, mask=row_ok[None, :])
         else:
+            # Weighted and rounded in the accumulator's layout, so only bf16 values change layout
+            # (at BM 128, BNC 128 the float32 conversion would not fit the registers).
+            offs_w = gl.arange(0, BM, layout=gl.SliceLayout(0, mma_layout))
+            w_ok = offs_w < rows_used
+            weight = gl.load(topk_w_ptr + gl.load(sorted_slot_ptr + row0 + offs_w, mask=w_ok, other=0), mask=w_ok,
+                             other=0.0)
+            o = gl.convert_layout((acc_g * weight[None, :]).to(out_ptr.dtype.element_ty), out_layout)
             slot = gl.load(sorted_slot_ptr + row0 + offs_m, mask=row_ok, other=0)
-            weight = gl.load(topk_w_ptr + slot, mask=row_ok, other=0.0)
-            o = gl.convert_layout(acc_g, out_layout) * weight[None, :]
-            gl.store(out_ptr + slot.to(gl.int64)[None, :] * stride_om + offs_c[:, None],
-                     o.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
+            gl.store(out_ptr + slot.to(gl.int64)[None, :] * stride_om + offs_o[:, None], o, mask=row_ok[None, :])
 
     @gluon.jit
-    def _convert_to_smem(src, dst_lo, dst_hi, s_ptr, s_base, stride_sg, k0, row_first, BNC: gl.constexpr,
-                         GROUP: gl.constexpr):
-        """BNC rows of a stage's packed bytes (src: [>= row_first + BNC, 32] uint8) -> their low and
-        high nibbles' weights, scaled, as bf16 [BNC, 32] into dst_lo / dst_hi (shared memory).
-        Each thread takes one 16-byte chunk (one scale group)."""
-        L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [16, 2, 1], [4, 1, 1], [2, 1, 0])
-        L2: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
-        p = src.slice(row_first, BNC, 0).load(L2)
-        offs_n = row_first + gl.arange(0, BNC, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-        offs_c = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-        sc = gl.load(s_ptr + s_base + ((k0 + 32 * offs_c) // GROUP)[None, :] * stride_sg + offs_n[:, None])
-        sc = gl.broadcast(gl.expand_dims(sc, 2), gl.full([BNC, 2, 16], 0, gl.bfloat16, L3))[0]
-        sc = gl.convert_layout(sc.reshape([BNC, 32]), L2)
-        lo, hi = _convert(p, sc)
-        dst_lo.store(lo)
-        dst_hi.store(hi)
-
-    @gluon.jit
-    def _consumer_ss(x_bufs, w_bufs, wc_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
-                     stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID: gl.constexpr,
-                     BM: gl.constexpr, BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr,
-                     STAGES: gl.constexpr):
-        """The consumer with both MMA operands in shared memory: the weights converted once into
-        wc_bufs ([consumer x 2 buffers x (lo, hi), NR, 32] bf16, NR = BNC gate (+ BNC up) rows), the
-        block's rows as the MMA's M side and the weight columns as its N (m64nNR)."""
-        NR: gl.constexpr = 2 * BNC if GATE_UP else BNC
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, NR, 16])
-        acc = gl.zeros([BM, NR], gl.float32, mma_layout)
-        for i in range(num_k):
-            s = i % STAGES
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            b = i % 2
-            dst = wc_bufs.index(4 * CID + 2 * b)
-            dst_hi = wc_bufs.index(4 * CID + 2 * b + 1)
-            _convert_to_smem(w_bufs.index(2 * s).reshape([2 * BNC, 32]), dst.slice(0, BNC, 0),
-                             dst_hi.slice(0, BNC, 0), s_ptr, s_base_g, stride_sg, i * 64, CID * BNC, BNC, GROUP)
-            if GATE_UP:
-                _convert_to_smem(w_bufs.index(2 * s + 1).reshape([2 * BNC, 32]), dst.slice(BNC, BNC, 0),
-                                 dst_hi.slice(BNC, BNC, 0), s_ptr, s_base_u, stride_sg, i * 64, CID * BNC, BNC,
-                                 GROUP)
-            fence_async_shared()
-            _warps_barrier()
-            acc = warpgroup_mma(x_bufs.index(2 * s), dst.permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma(x_bufs.index(2 * s + 1), dst_hi.permute((1, 0)), acc, is_async=True)
-            # One group in flight: the previous step's MMAs are done, so its stage and its
-            # converted buffer (the one the next step writes) are free.
-            acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
-            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((num_k - 1) % STAGES), count=1)
-
-        out_layout: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
-        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
-        row_ok = offs_m < rows_used
-        offs_c = col0 + CID * BNC + gl.arange(0, BNC, layout=gl.SliceLayout(0, out_layout))
-        if GATE_UP:
-            gate, up = acc.reshape([BM, 2, BNC]).permute((0, 2, 1)).split()
-            h = gate * (1.0 / (1.0 + gl.exp(-gate))) * up
-            h = gl.convert_layout(h.to(out_ptr.dtype.element_ty), out_layout)
-            rows = (row0 + offs_m).to(gl.int64)
-            r = offs_c % 64
-            q = r % 32
-            pos = offs_c - r + (q // 16) * 32 + (r // 32) * 16 + q % 16
-            gl.store(out_ptr + rows[:, None] * stride_om + pos[None, :], h, mask=row_ok[:, None])
-        else:
-            slot = gl.load(sorted_slot_ptr + row0 + offs_m, mask=row_ok, other=0)
-            weight = gl.load(topk_w_ptr + slot, mask=row_ok, other=0.0)
-            o = gl.convert_layout(acc, out_layout) * weight[:, None]
-            gl.store(out_ptr + slot.to(gl.int64)[:, None] * stride_om + offs_c[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-    @gluon.jit
-    def _consumer_0(x_bufs, w_bufs, wc_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
+    def _consumer_0(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
                     stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM: gl.constexpr,
                     BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
-                    SS: gl.constexpr):
-        if SS:
-            _consumer_ss(x_bufs, w_bufs, wc_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg,
-                         num_k, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, 0, BM,
-                         BNC, GROUP, GATE_UP, STAGES)
-        else:
-            _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
-                      stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, 0, BM, BNC, GROUP,
-                      GATE_UP, STAGES)
+                    BYTE_L: gl.constexpr):
+        _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
+                  stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, 0, BM, BNC, GROUP,
+                  GATE_UP, STAGES, BYTE_L)
 
     @gluon.jit
-    def _consumer_1(x_bufs, w_bufs, wc_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
+    def _consumer_1(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
                     stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM: gl.constexpr,
                     BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
-                    SS: gl.constexpr):
-        if SS:
-            _consumer_ss(x_bufs, w_bufs, wc_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg,
-                         num_k, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, 1, BM,
-                         BNC, GROUP, GATE_UP, STAGES)
-        else:
-            _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
-                      stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, 1, BM, BNC, GROUP,
-                      GATE_UP, STAGES)
+                    BYTE_L: gl.constexpr):
+        _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
+                  stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, 1, BM, BNC, GROUP,
+                  GATE_UP, STAGES, BYTE_L)
 
     @gluon.jit
     def _ws_gemm_kernel(x_desc, w_desc, s_ptr, out_ptr, topk_w_ptr, sorted_slot_ptr, block_expert_ptr, block_rows_ptr,
                         K, N, stride_se, stride_sg, stride_om, w_row_groups,
                         BM: gl.constexpr, BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr,
                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                        SS: gl.constexpr = False):
+                        BYTE_L: gl.constexpr):
         """One block of BM sorted rows x 2 * BNC output columns (GEMM1: gate and up of each);
         see the module docstring."""
         BNH: gl.constexpr = 2 * BNC
@@ -420,11 +468,6 @@ def _define_kernels():
             expert = gl.load(block_expert_ptr + pid_b).to(gl.int64)
             x_bufs = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
             w_bufs = gl.allocate_shared_memory(w_desc.dtype, [2 * STAGES] + w_desc.block_type.shape, w_desc.layout)
-            NR: gl.constexpr = 2 * BNC if GATE_UP else BNC
-            WC_ROWS: gl.constexpr = NR if SS else 8
-            wc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WC_ROWS, 32], gl.bfloat16)
-            # Per consumer: 2 buffers x (low, high) of converted weights (SS only; a token size otherwise).
-            wc_bufs = gl.allocate_shared_memory(gl.bfloat16, [8, WC_ROWS, 32], wc_layout)
             ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(STAGES):
@@ -439,12 +482,12 @@ def _define_kernels():
             s_base_u = s_base_g + N
             num_k = K // 64
             gl.warp_specialize([
-                (_consumer_0, (x_bufs, w_bufs, wc_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
+                (_consumer_0, (x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
                                 stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM, BNC, GROUP,
-                                GATE_UP, STAGES, SS)),
-                (_consumer_1, (x_bufs, w_bufs, wc_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
+                                GATE_UP, STAGES, BYTE_L)),
+                (_consumer_1, (x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
                                 stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM, BNC, GROUP,
-                                GATE_UP, STAGES, SS)),
+                                GATE_UP, STAGES, BYTE_L)),
                 (_producer, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, GATE_UP,
                              STAGES)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -484,48 +527,69 @@ def rows_descriptor(rows: torch.Tensor, bm: int):
 
 
 class GluonHopperPath:
-    """The Gluon path's launches for one TritonW4A16MoE (its workspace and routing stages)."""
+    """The Gluon path's launches for one TritonW4A16MoE (its workspace and routing stages).
+
+    The tiles follow the layer (moe.layer: a rehearsal compiles what the layer's run uses), the
+    workspace the experts held (moe.shape), sized for the largest block any M up to max_m takes."""
 
     dtypes = (torch.bfloat16,)
 
     def __init__(self, moe):
         self.moe = moe
-        shape = moe.shape
-        self.bm = GLUON_TILES["g1"]["bm"]
-        assert GLUON_TILES["g2"]["bm"] == self.bm
-        self.max_padded = tm._padded_rows(shape, moe.max_m, self.bm)
+        self.max_padded = tm._padded_rows(moe.shape, moe.max_m, max_block_m(moe.layer, moe.max_m))
+        smallest = min(tiles["g1"]["bm"] for tiles in tile_sets())
         device = moe._device
-        self.block_expert = torch.empty(triton.cdiv(self.max_padded, self.bm), dtype=torch.int32, device=device)
+        self.block_expert = torch.empty(triton.cdiv(self.max_padded, smallest), dtype=torch.int32, device=device)
         self.block_rows = torch.empty_like(self.block_expert)
         self._buffers: dict[torch.dtype, dict] = {}
-        self.w13_desc = weight_descriptor(moe.weights.w13, 2 * GLUON_TILES["g1"]["bnc"])
-        self.w2_desc = weight_descriptor(moe.weights.w2, 2 * GLUON_TILES["g2"]["bnc"])
+        self._weight_descs: dict[tuple, object] = {}
 
-    def buffers(self, dtype):
+    def tiles(self, m: int) -> dict:
+        return tiles_for(self.moe.layer, m)
+
+    def weight_desc(self, which: str, bnc: int):
+        key = (which, bnc)
+        if key not in self._weight_descs:
+            linear = self.moe.weights.w13 if which == "g1" else self.moe.weights.w2
+            self._weight_descs[key] = weight_descriptor(linear, 2 * bnc)
+        return self._weight_descs[key]
+
+    def buffers(self, dtype, bm: int):
+        """The gathered rows and the intermediate (sized once), with their descriptors per block."""
         if dtype not in self._buffers:
             shape = self.moe.shape
             xs = torch.zeros((self.max_padded, shape.hidden), dtype=dtype, device=self.moe._device)
             inter = torch.zeros((self.max_padded, shape.inter), dtype=dtype, device=self.moe._device)
-            self._buffers[dtype] = dict(xs=xs, inter=inter, xs_desc=rows_descriptor(xs, self.bm),
-                                        inter_desc=rows_descriptor(inter, self.bm))
-        return self._buffers[dtype]
+            self._buffers[dtype] = dict(xs=xs, inter=inter)
+        buf = self._buffers[dtype]
+        if ("xs", bm) not in buf:
+            buf[("xs", bm)] = rows_descriptor(buf["xs"], bm)
+            buf[("inter", bm)] = rows_descriptor(buf["inter"], bm)
+        return buf
 
     def release_buffers(self) -> None:
         """Drop the gathered rows and the intermediate (made again on the next forward)."""
         self._buffers.clear()
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                stages: tuple = ("route", "g1", "g2", "sum")) -> torch.Tensor | None:
-        """The forward; `stages` (a tuning script's) runs only some of its launches, each reading
-        what the ones before it left in the workspace."""
-        moe, shape, bm = self.moe, self.moe.shape, self.bm
+                stages: tuple = ("route", "g1", "g2", "sum"), tiles: dict | None = None) -> torch.Tensor | None:
+        """The forward with M's tiles (tiles_for; a tuning script may give others); `stages` (a
+        tuning script's) runs only some of its launches, each reading what the ones before it
+        left in the workspace."""
+        moe, shape = self.moe, self.moe.shape
         if x.dtype != torch.bfloat16:
             raise ValueError("the Gluon path takes bf16 activations")
         m = x.shape[0]
-        if tm._padded_rows(shape, m, bm) > moe._max_padded:
-            raise ValueError(f"M={m} needs more workspace than was allocated")
-        blocks = triton.cdiv(tm._padded_rows(shape, m, bm), bm)
-        buf = self.buffers(x.dtype)
+        tiles = self.tiles(m) if tiles is None else tiles
+        bm = tiles["g1"]["bm"]
+        if tiles["g2"]["bm"] != bm:
+            raise ValueError(f"GEMM1 and GEMM2 share the sorted blocks: bm {bm} and {tiles['g2']['bm']}")
+        padded = tm._padded_rows(shape, m, bm)
+        blocks = triton.cdiv(padded, bm)
+        if padded > min(moe._max_padded, self.max_padded) or blocks > self.block_expert.numel():
+            # (Tiles other than those the path was made with: a tuning script's.)
+            raise ValueError(f"M={m} with block_m {bm} needs more workspace than was allocated")
+        buf = self.buffers(x.dtype, bm)
         _, slot_buf = moe._buffers(x.dtype)
         if "route" in stages:
             moe._m = m
@@ -534,19 +598,20 @@ class GluonHopperPath:
             _gather_kernel[(blocks, shape.hidden // gather_bk)](
                 x, buf["xs"], moe._sorted_slot, moe._counts, moe._starts, moe._ends, self.block_expert,
                 self.block_rows, shape.experts, shape.hidden, x.stride(0), buf["xs"].stride(0),
-                TOPK=shape.topk, BLOCK_M=bm, NUM_BINS=moe._num_bins, BK=gather_bk, num_warps=8)
-        for which, desc_x, w, desc_w, out, n, k in (
-                ("g1", buf["xs_desc"], moe.weights.w13, self.w13_desc, buf["inter"], shape.inter, shape.hidden),
-                ("g2", buf["inter_desc"], moe.weights.w2, self.w2_desc, slot_buf, shape.hidden, shape.inter)):
+                TOPK=shape.topk, BLOCK_M=bm, NUM_BINS=moe._num_bins, BK=gather_bk, num_warps=4)
+        for which, rows, w, out, n, k in (
+                ("g1", "xs", moe.weights.w13, buf["inter"], shape.inter, shape.hidden),
+                ("g2", "inter", moe.weights.w2, slot_buf, shape.hidden, shape.inter)):
             if which not in stages:
                 continue
-            tile = GLUON_TILES[which]
+            tile = tiles[which]
             bnh = 2 * tile["bnc"]
             _ws_gemm_kernel[(blocks * (n // bnh),)](
-                desc_x, desc_w, w.scales, out, topk_weights, moe._sorted_slot, self.block_expert, self.block_rows,
+                buf[(rows, bm)], self.weight_desc(which, tile["bnc"]), w.scales, out, topk_weights,
+                moe._sorted_slot, self.block_expert, self.block_rows,
                 k, n, w.scales.stride(0), w.scales.stride(1), out.stride(0), w.packed.shape[1],
                 BM=bm, BNC=tile["bnc"], GROUP=shape.group_size, GATE_UP=which == "g1", STAGES=tile["stages"],
                 CONSUMER_REGS=tile.get("consumer_regs", 232), PRODUCER_REGS=tile.get("producer_regs", 40),
-                SS=bool(tile.get("ss", False)), num_warps=4)
+                BYTE_L=byte_layout(tile["bnc"]), num_warps=4)
         moe._g2_split = 1
         return moe.topk_sum(x) if "sum" in stages else None

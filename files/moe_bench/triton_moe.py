@@ -57,8 +57,9 @@ A nibble u becomes a number without an integer conversion: written under the bf1
 
 On an sm_90 GPU with Gluon, a third path exists for the tensor-core M range: moe_bench.gluon_moe
 (warp-specialised, copy-engine loads, warp-group MMAs), checked against this module's kernels
-on its first call and falling back to them on any failure (TritonW4A16MoE._gluon_runs); it is
-not selected by default (measured slower, PERFORMANCE.md round 16; MOE_BENCH_GLUON=force runs it).
+on each tile set's first call and falling back to them on any failure (TritonW4A16MoE._gluon_runs);
+it is selected from gluon_moe.SELECT_SLOTS_PER_EXPERT slots per expert, where it measured faster
+(PERFORMANCE.md round 22; MOE_BENCH_GLUON=force runs it wherever it can run, =0 never).
 
 From sm_90 every kernel of a forward launches with programmatic dependent launch (PDL): the
 next kernel's programs take the SMs the last programs of the one before leave idle and wait
@@ -1698,13 +1699,18 @@ class TritonW4A16MoE:
         self.table = table_for(self.layer, self.limits) if table is None else table
         self._workspace: dict[torch.dtype, dict] = {}
         block_m = _max_block_m(max_m, self.table)
-        if self.layer != self.shape:
-            # Room for the Gluon path's blocks too: its range is the layer's, not the experts held.
-            from . import gluon_moe
-
-            block_m = max(block_m, gluon_moe.GLUON_TILES["g1"]["bm"])
+        if gluon:
+            # Room for the Gluon path's blocks too where it can run (its tiles follow the layer,
+            # see gluon_moe.tiles_for); _init_gluon says why not where it cannot.
+            try:
+                from . import gluon_moe
+            except Exception:  # noqa: BLE001
+                gluon_moe = None
+            capability = self.limits.capability if self.limits is not None else None
+            if gluon_moe is not None and gluon_moe.path_unavailable_reason(capability) is None:
+                block_m = max(block_m, gluon_moe.max_block_m(self.layer, max_m))
         self._max_padded = _padded_rows(self.shape, max_m, block_m)
-        self._layer_max_padded = _padded_rows(self.layer, max_m, _max_block_m(max_m, self.table))
+        self._layer_max_padded = _padded_rows(self.layer, max_m, block_m)
         e = self.shape.experts
         self._num_bins = num_bins(self.layer)
         self._sorted_slot = torch.empty(self._max_padded, dtype=torch.int32, device=device)
@@ -1741,7 +1747,7 @@ class TritonW4A16MoE:
         says why not (the results carry it, see configs_used). Decided here, then once more
         by its correctness check on first use (_gluon_runs)."""
         self._gluon = None
-        self._gluon_checked = False
+        self._gluon_checked: set[str] = set()  # the tile sets (as JSON) that passed their check
         self.gluon_error: float | None = None
         try:
             from . import gluon_moe
@@ -1764,15 +1770,20 @@ class TritonW4A16MoE:
     def _gluon_can_run(self, m: int) -> bool:
         from . import gluon_moe
 
-        # The workspace is sized by the table's largest block (block_m 64 from about 20-30 slots
-        # per expert): an M whose Gluon blocks would need more runs the plain-Triton rows.
-        block = self._gluon.bm if self._gluon is not None else gluon_moe.GLUON_TILES["g1"]["bm"]
+        # The workspace is sized for the largest block up to max_m (table and Gluon tiles); an M
+        # past it (never, unless a caller changed the tiles) runs the plain-Triton rows.
+        block = gluon_moe.tiles_for(self.layer, m)["g1"]["bm"]
         return gluon_moe.can_run_at(self.layer, m) and _padded_rows(self.layer, m, block) <= self._layer_max_padded
 
     def _gluon_applies(self, m: int) -> bool:
         from . import gluon_moe
 
-        return gluon_moe.selected() and self._gluon_can_run(m)
+        return gluon_moe.selected(self.layer, m) and self._gluon_can_run(m)
+
+    def _gluon_key(self, m: int) -> str:
+        from . import gluon_moe
+
+        return json.dumps(gluon_moe.tiles_for(self.layer, m), sort_keys=True)
 
     def _gluon_runs(self, x, topk_ids, topk_weights):
         """The Gluon path's output for this call, or None when the plain-Triton path runs.
@@ -1784,12 +1795,13 @@ class TritonW4A16MoE:
         graph capture (the harness warms up and checks every M first)."""
         if self._gluon is None or not self._gluon_applies(x.shape[0]) or x.dtype not in self._gluon.dtypes:
             return None
-        if self._gluon_checked:
+        key = self._gluon_key(x.shape[0])
+        if key in self._gluon_checked:
             return self._gluon.forward(x, topk_ids, topk_weights)
         on_gpu = self._device.type == "cuda"
         if on_gpu and torch.cuda.is_current_stream_capturing():
             return None  # never checked inside a capture: the plain-Triton path
-        self._gluon_checked = True
+        self._gluon_checked.add(key)
         try:
             out = self._gluon.forward(x, topk_ids, topk_weights).clone()
             if on_gpu:
@@ -1856,13 +1868,13 @@ class TritonW4A16MoE:
         if cfg["path"] == "tensor-core" and self._gluon_can_run(m):
             from . import gluon_moe
 
-            if self._gluon is not None and not gluon_moe.selected():
+            if self._gluon is not None and not gluon_moe.selected(self.layer, m):
                 cfg["gluon_fallback"] = gluon_moe.NOT_SELECTED
             elif self._gluon is not None:
                 # What runs once the first call's check has passed (before it: expected to).
                 cfg["path"] = gluon_moe.PATH_NAME
-                cfg["gluon"] = dict(gluon_moe.GLUON_TILES, checked=self._gluon_checked,
-                                    check_error=self.gluon_error)
+                checked = self._gluon_key(m) in self._gluon_checked
+                cfg["gluon"] = dict(gluon_moe.tiles_for(self.layer, m), checked=checked, check_error=self.gluon_error)
             else:
                 cfg["gluon_fallback"] = self.gluon_reason
         # Whether the kernels launch with programmatic dependent launch, and if not why.

@@ -54,14 +54,31 @@ def test_every_preset_shape_fits_the_gluon_tiles_or_says_why(name, tp):
 
 def test_a_shape_off_the_tiles_is_named():
     odd = quant.MoEShape(experts=8, hidden=4096 + 32, inter=1024, topk=2, group_size=32)
-    assert "GEMM1's K=4128 is not a multiple of 64" == gluon_moe.shape_unavailable_reason(odd)
+    assert gluon_moe.shape_unavailable_reason(odd).startswith("GEMM1's K=4128 is not a multiple of 128")
 
 
 def test_selection_by_slots_per_expert_and_by_the_switch():
     assert not gluon_moe.can_run_at(KIMI, 1024)  # 21 slots per expert: block_m 32 pads less
     assert gluon_moe.can_run_at(KIMI, 1152)  # 24
-    assert gluon_moe.selected(env={"MOE_BENCH_GLUON": "force"})
-    assert gluon_moe.selected(env={}) == gluon_moe.SELECTED_BY_DEFAULT
+    assert gluon_moe.selected(KIMI, 1152, env={"MOE_BENCH_GLUON": "force"})
+    bound = gluon_moe.SELECT_SLOTS_PER_EXPERT
+    for m in (1152, 2048, 4096, 8192):
+        spe = m * KIMI.topk / KIMI.experts
+        assert gluon_moe.selected(KIMI, m, env={}) == (bound is not None and spe >= bound)
+
+
+def test_tiles_by_slots_per_expert_and_the_workspace_for_the_largest(monkeypatch):
+    small, large = gluon_moe.TILES_BM64, gluon_moe.TILES_BM128
+    monkeypatch.setattr(gluon_moe, "GLUON_TILE_ROWS", [(96.0, small), (None, large)])
+    assert gluon_moe.tiles_for(KIMI, 4608) is small  # 96 slots per expert
+    assert gluon_moe.tiles_for(KIMI, 4609) is large
+    assert gluon_moe.tile_sets() == [small, large]
+    assert gluon_moe.max_block_m(KIMI, 4608) == 64 and gluon_moe.max_block_m(KIMI, 8192) == 128
+    # The backend's sorted-slot workspace takes the larger blocks where the path can run.
+    weights = quant.random_weights(SMALL, "cpu", seed=3)
+    moe = tm.TritonW4A16MoE(weights, 512)
+    assert moe._gluon is None  # off the GPU: no room asked for it
+    assert moe._max_padded == tm._padded_rows(SMALL, 512, tm._max_block_m(512, moe.table))
 
 
 # ---------------------------------------------------------------------------
@@ -73,10 +90,9 @@ M = 64  # 32 slots per expert: in the Gluon path's range
 
 
 class _StandIn:
-    """What TritonW4A16MoE asks of gluon_moe.GluonHopperPath: dtypes, bm and forward."""
+    """What TritonW4A16MoE asks of gluon_moe.GluonHopperPath: dtypes and forward."""
 
     dtypes = (torch.float32,)
-    bm = 64
 
     def __init__(self, moe, mode):
         self.moe, self.mode, self.calls = moe, mode, 0
@@ -135,16 +151,19 @@ def test_a_failing_path_falls_back_and_the_results_say_why(mode, reason, monkeyp
     assert used["path"] == "tensor-core" and reason in used["gluon_fallback"]
 
 
-def test_not_selected_by_default_and_the_results_say_so(monkeypatch):
-    monkeypatch.delenv("MOE_BENCH_GLUON", raising=False)
+def test_selected_by_default_only_from_its_slots_per_expert_and_the_results_say_so(monkeypatch):
     moe, _, (x, ids, wts) = _backend("ok", monkeypatch)
     monkeypatch.delenv("MOE_BENCH_GLUON", raising=False)
-    if gluon_moe.SELECTED_BY_DEFAULT:
-        pytest.skip("selected by default")
+    monkeypatch.setattr(gluon_moe, "SELECT_SLOTS_PER_EXPERT", 33.0)  # M=64 is 32 slots per expert
     moe(x, ids, wts)
     assert moe._gluon.calls == 0
     used = moe.configs_used(M)
     assert used["path"] == "tensor-core" and used["gluon_fallback"] == gluon_moe.NOT_SELECTED
+    monkeypatch.setattr(gluon_moe, "SELECT_SLOTS_PER_EXPERT", 32.0)
+    moe(x, ids, wts)
+    assert moe._gluon.calls == 1 and moe.configs_used(M)["path"] == gluon_moe.PATH_NAME
+    monkeypatch.setattr(gluon_moe, "SELECT_SLOTS_PER_EXPERT", None)  # never, unless forced
+    assert moe.configs_used(M)["gluon_fallback"] == gluon_moe.NOT_SELECTED
 
 
 def test_asked_off_by_the_caller():
@@ -161,18 +180,20 @@ def test_asked_off_by_the_caller():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
                     or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
                     reason="needs an sm_90 GPU and compiled kernels (TRITON_INTERPRET=0)")
-@pytest.mark.parametrize("m", [96, 300])
+@pytest.mark.parametrize("m", [96, 300, 600])  # 24, 75 and 150 slots per expert: both tile sets
 def test_gluon_kernels_on_the_gpu(m, monkeypatch):
     monkeypatch.setenv("MOE_BENCH_GLUON", "force")
     shape = quant.MoEShape(experts=8, hidden=512, inter=256, topk=2, group_size=32)
     weights = quant.random_weights(shape, "cuda", seed=1)
-    moe = tm.TritonW4A16MoE(weights, 512)
+    moe = tm.TritonW4A16MoE(weights, 1024)
     assert moe.gluon_reason is None, moe.gluon_reason
     gen = torch.Generator(device="cuda").manual_seed(m)
     x, ids, wts = cli.make_inputs(shape, m, torch.bfloat16, torch.device("cuda"), gen)
     out = cli.poisoned_call(moe, x, ids, wts, shape.hidden)
     assert moe.gluon_reason is None, moe.gluon_reason  # compiled and passed its check
-    assert moe.configs_used(m)["path"] == gluon_moe.PATH_NAME
+    used = moe.configs_used(m)
+    assert used["path"] == gluon_moe.PATH_NAME and used["gluon"]["checked"]
+    assert used["gluon"]["g1"] == gluon_moe.tiles_for(shape, m)["g1"]
     assert cli.relative_error(out, reference_moe(weights, x, ids, wts)) < 1e-2
     x2, ids2, wts2 = cli.make_inputs(shape, m, torch.bfloat16, torch.device("cuda"), gen)  # fresh routing
     assert cli.relative_error(moe(x2, ids2, wts2), reference_moe(weights, x2, ids2, wts2)) < 1e-2
@@ -196,9 +217,7 @@ def test_the_gather_writes_each_block_in_operand_order():
     gluon_moe._gather_kernel[(blocks, shape.hidden // 128)](
         x, out, moe._sorted_slot, moe._counts, moe._starts, moe._ends, block_expert, block_rows, shape.experts,
         shape.hidden, x.stride(0), out.stride(0), TOPK=shape.topk, BLOCK_M=bm, NUM_BINS=moe._num_bins, BK=128)
-    k = torch.arange(shape.hidden)
-    r, i = k % 64, k % 32
-    pos = k - r + (i // 16) * 32 + (r // 32) * 16 + i % 16
+    pos = torch.tensor(gluon_moe.operand_positions(shape.hidden))
     assert sorted(pos.tolist()) == list(range(shape.hidden))  # a permutation
     counts = torch.bincount(ids.flatten().long(), minlength=shape.experts)
     seen = 0
