@@ -128,16 +128,14 @@ def tile_sets() -> list[dict]:
 
 
 def max_block_m(shape: quant.MoEShape, max_m: int) -> int:
-    """The largest block any M up to max_m runs with (the workspace's padding)."""
+    """The largest block any M up to max_m runs with (the workspace's padding): every row up to
+    and including max_m's."""
     spe = slots_per_expert(shape, max_m)
     bms = []
-    lower = 0.0
     for bound, tiles in GLUON_TILE_ROWS:
-        if spe > lower or not bms:
-            bms.append(tiles["g1"]["bm"])
-        if bound is None:
+        bms.append(tiles["g1"]["bm"])
+        if bound is None or spe <= bound:
             break
-        lower = bound
     return max(bms)
 
 

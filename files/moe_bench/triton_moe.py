@@ -1699,16 +1699,12 @@ class TritonW4A16MoE:
         self.table = table_for(self.layer, self.limits) if table is None else table
         self._workspace: dict[torch.dtype, dict] = {}
         block_m = _max_block_m(max_m, self.table)
-        if gluon:
-            # Room for the Gluon path's blocks too where it can run (its tiles follow the layer,
-            # see gluon_moe.tiles_for); _init_gluon says why not where it cannot.
-            try:
-                from . import gluon_moe
-            except Exception:  # noqa: BLE001
-                gluon_moe = None
-            capability = self.limits.capability if self.limits is not None else None
-            if gluon_moe is not None and gluon_moe.path_unavailable_reason(capability) is None:
-                block_m = max(block_m, gluon_moe.max_block_m(self.layer, max_m))
+        self.gluon_reason = self._gluon_unavailable_reason(gluon)
+        if self.gluon_reason is None:
+            # Room for the Gluon path's blocks too (its tiles follow the layer, gluon_moe.tiles_for).
+            from . import gluon_moe
+
+            block_m = max(block_m, gluon_moe.max_block_m(self.layer, max_m))
         self._max_padded = _padded_rows(self.shape, max_m, block_m)
         self._layer_max_padded = _padded_rows(self.layer, max_m, block_m)
         e = self.shape.experts
@@ -1737,35 +1733,38 @@ class TritonW4A16MoE:
         self.pdl_reason = pdl_unavailable_reason(self.limits) if pdl else "turned off by the caller"
         self._pdl = self.pdl_reason is None
         self._pdl_kw = {"launch_pdl": True} if self._pdl else {}
-        self._init_gluon(gluon)
+        self._init_gluon()
         # The activation-sized buffers depend on x's dtype: made on first use per dtype
         # (outside a graph capture: the harness warms up before capturing).
 
-    def _init_gluon(self, wanted: bool) -> None:
-        """The warp-specialised Gluon path (moe_bench.gluon_moe) for the M it applies to, where
-        the device, the installed Triton and the shape allow it; otherwise self.gluon_reason
-        says why not (the results carry it, see configs_used). Decided here, then once more
-        by its correctness check on first use (_gluon_runs)."""
-        self._gluon = None
-        self._gluon_checked: set[str] = set()  # the tile sets (as JSON) that passed their check
-        self.gluon_error: float | None = None
+    def _gluon_unavailable_reason(self, wanted: bool) -> str | None:
+        """Why the warp-specialised Gluon path (moe_bench.gluon_moe) cannot run here: the
+        caller, the device, the installed Triton, the shape (None: it can)."""
         try:
             from . import gluon_moe
         except Exception as exc:  # noqa: BLE001 - the plain-Triton path needs nothing of it
-            self.gluon_reason = f"moe_bench.gluon_moe not importable: {type(exc).__name__}: {exc}"
-            return
+            return f"moe_bench.gluon_moe not importable: {type(exc).__name__}: {exc}"
         if not wanted:
-            self.gluon_reason = "not asked for (gluon=False)"
-            return
+            return "not asked for (gluon=False)"
         capability = self.limits.capability if self.limits is not None else None
         reason = gluon_moe.path_unavailable_reason(capability, gluon_moe.api_error() if capability == (9, 0) else None)
-        reason = reason or gluon_moe.shape_unavailable_reason(self.shape)
-        if reason is None:
+        return reason or gluon_moe.shape_unavailable_reason(self.shape)
+
+    def _init_gluon(self) -> None:
+        """The Gluon path for the M it applies to, where _gluon_unavailable_reason found nothing
+        against it; otherwise self.gluon_reason says why not (the results carry it, see
+        configs_used). Decided here, then once more by its correctness check on first use
+        (_gluon_runs)."""
+        self._gluon = None
+        self._gluon_checked: set[str] = set()  # the tile sets (as JSON) that passed their check
+        self.gluon_error: float | None = None
+        if self.gluon_reason is None:
+            from . import gluon_moe
+
             try:
                 self._gluon = gluon_moe.GluonHopperPath(self)
             except Exception as exc:  # noqa: BLE001 - any failure here means the plain-Triton path
-                reason = f"setup failed: {type(exc).__name__}: {str(exc)[:200]}"
-        self.gluon_reason = reason
+                self.gluon_reason = f"setup failed: {type(exc).__name__}: {str(exc)[:200]}"
 
     def _gluon_can_run(self, m: int) -> bool:
         from . import gluon_moe
