@@ -26,7 +26,9 @@ _ws_gemm_kernel: one program per (block of BM sorted rows, tile of 2 * BNC weigh
 partitions: a producer warp that issues the copy-engine loads of each 64-value K step (the
 rows' two halves, the packed weight tiles) into a ring of STAGES shared-memory buffers, each
 completing on its `ready` mbarrier, and two consumer warp groups, each owning BNC weight rows
-(GEMM1: BNC gate and BNC up columns). A consumer waits for a stage, loads its packed bytes with
+(GEMM1: BNC gate and BNC up columns); both take the narrowest MMA width (a power of two from
+the tile's NARROW up to BM) that holds the block's rows, and the producer fetches only those
+rows. A consumer waits for a stage, loads its packed bytes with
 one 8-byte shared-memory load per thread and row (byte_layout: 8 consecutive bytes, 16
 weights, all of one 32-value scale group, so one scale per row and step), converts each
 4-byte word with 15 instructions (_WORD_PTX: nibble to bf16 under the exponent of 128, minus
@@ -73,14 +75,17 @@ PATH_NAME = "gluon-hopper-ws"
 # A tile: BM sorted rows per block (the MMA's N), BNC weight rows per consumer warp group (the
 # MMA's M; GEMM1 takes BNC gate and BNC up rows), STAGES shared-memory stages; CONSUMER_REGS and
 # PRODUCER_REGS the registers each warp group asks for (setmaxnreg; 2 x 128 x consumer +
-# 128 x producer within the SM's 65536).
+# 128 x producer within the SM's 65536); NARROW (a power of two, 0: off) the narrowest MMA:
+# a block's MMAs are as wide as its rows used, rounded up to NARROW, 2 NARROW, ... BM, and only
+# those rows are fetched (an expert's last block is mostly partly full: kimi-k2.6 M=8192, 171
+# slots per expert, takes 128 + 64 instead of 256 MMA columns; PERFORMANCE.md, round 23).
 TILES_BM64 = {
     "g1": dict(bm=64, bnc=64, stages=4),
     "g2": dict(bm=64, bnc=128, stages=4),
 }
 TILES_BM128 = {
-    "g1": dict(bm=128, bnc=64, stages=4),
-    "g2": dict(bm=128, bnc=128, stages=4),
+    "g1": dict(bm=128, bnc=64, stages=4, narrow=32),
+    "g2": dict(bm=128, bnc=128, stages=4, narrow=32),
 }
 # Tiles by slots per expert (M x topk / experts of the layer): (up to this many, tiles), the
 # last row without a bound. 128 sorted rows per block from where the experts' blocks are full
@@ -95,14 +100,22 @@ MIN_SLOTS_PER_EXPERT = 24.0
 # K values per program of the gather (a multiple of 64: whole operand-order blocks).
 GATHER_BK = 128
 # The slots per expert from which the backend picks this path by itself (None: never). Measured
-# on one H200 against the plain-Triton rows (PERFORMANCE.md, round 22): from 85 slots per expert
-# faster on every preset (kimi-k2.6 M=4096-8192 by 8-26%, deepseek-v3 M=4096 18%, qwen3-235b-a22b
-# M=2048-3072 19-22%, mixtral-8x7b M=512-2048 14-38%); at 64 within 6% either way; below, slower.
-# MOE_BENCH_GLUON=force runs it wherever it can run (measurement and tuning), MOE_BENCH_GLUON=0
-# never.
-SELECT_SLOTS_PER_EXPERT: float | None = 80.0
+# on one H200 against the plain-Triton rows (PERFORMANCE.md, rounds 22-23): with the narrowed
+# MMAs (TILES_BM128's "narrow") faster at 64 slots per expert on every preset with a large
+# intermediate (kimi-k2.6 M=3072 by 11%, deepseek-v3 M=2048 9%, qwen3-235b-a22b M=1024 8%,
+# mixtral-8x7b M=256 18%) and beyond (5-30%); at 48-53 slower (kimi-k2.6 M=2560 by 4%,
+# qwen3-235b-a22b M=768 7%). MOE_BENCH_GLUON=force runs it wherever it can run (measurement and
+# tuning), MOE_BENCH_GLUON=0 never.
+SELECT_SLOTS_PER_EXPERT: float | None = 64.0
+# ... and only where the layer's intermediate (GEMM2's K) is at least this wide: with kimi-k2.6's
+# --tp 8 shard (256: GEMM2 four K steps, GEMM1 two column tiles a block) the plain rows were
+# faster at 64 slots per expert (1307 against 1574 us) and as fast at 85 (PERFORMANCE.md, round 23).
+SELECT_MIN_INTER = 1024
 NOT_SELECTED = (f"not selected at this M: below {SELECT_SLOTS_PER_EXPERT:g} slots per expert the plain-Triton "
-                "kernels are as fast or faster on the H200 (PERFORMANCE.md, round 22); MOE_BENCH_GLUON=force runs it")
+                "kernels are as fast or faster on the H200 (PERFORMANCE.md, rounds 22-23); MOE_BENCH_GLUON=force runs it")
+NOT_SELECTED_SHAPE = (f"not selected for this layer: with an intermediate under {SELECT_MIN_INTER} columns the "
+                      "plain-Triton kernels are as fast or faster on the H200 (PERFORMANCE.md, round 23); "
+                      "MOE_BENCH_GLUON=force runs it")
 
 
 def slots_per_expert(shape: quant.MoEShape, m: int) -> float:
@@ -191,13 +204,23 @@ def can_run_at(shape: quant.MoEShape, m: int) -> bool:
     return slots_per_expert(shape, m) >= MIN_SLOTS_PER_EXPERT
 
 
-def selected(shape: quant.MoEShape, m: int, env: dict | None = None) -> bool:
-    """Whether the path is picked at this M where it can run: from SELECT_SLOTS_PER_EXPERT
-    slots per expert, or anywhere with MOE_BENCH_GLUON=force."""
+def not_selected_reason(shape: quant.MoEShape, m: int, env: dict | None = None) -> str | None:
+    """Why the path is not picked at this M where it can run (None: it is): below
+    SELECT_SLOTS_PER_EXPERT slots per expert or SELECT_MIN_INTER intermediate columns, unless
+    MOE_BENCH_GLUON=force."""
     env = os.environ if env is None else env
     if env.get("MOE_BENCH_GLUON", "") == "force":
-        return True
-    return SELECT_SLOTS_PER_EXPERT is not None and slots_per_expert(shape, m) >= SELECT_SLOTS_PER_EXPERT
+        return None
+    if SELECT_SLOTS_PER_EXPERT is None or slots_per_expert(shape, m) < SELECT_SLOTS_PER_EXPERT:
+        return NOT_SELECTED
+    if shape.inter < SELECT_MIN_INTER:
+        return NOT_SELECTED_SHAPE
+    return None
+
+
+def selected(shape: quant.MoEShape, m: int, env: dict | None = None) -> bool:
+    """Whether the path is picked at this M where it can run (not_selected_reason)."""
+    return not_selected_reason(shape, m, env) is None
 
 
 # ---------------------------------------------------------------------------
@@ -290,7 +313,7 @@ def byte_layout(rows: int):
 def _define_kernels():
     """The Gluon kernels, defined only where Gluon imports (a version whose names differ
     leaves GLUON_IMPORT_ERROR saying so instead of failing the payload's import)."""
-    global _tma_load, _WORD, _convert, _step, _producer, _consumer, _consumer_0, _consumer_1, _ws_gemm_kernel
+    global _tma_load, _WORD, _convert, _step, _producer, _produce, _consumer, _consume, _consumer_0, _consumer_1, _ws_gemm_kernel
     # The copy-engine load is tma.async_copy_global_to_shared in Triton 3.6, tma.async_load later.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _WORD = gl.constexpr(_WORD_PTX)
@@ -312,8 +335,35 @@ def _define_kernels():
         return gl.convert_layout(lo, A_L, assert_trivial=True), gl.convert_layout(hi, A_L, assert_trivial=True)
 
     @gluon.jit
-    def _producer(x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k,
-                  GATE_UP: gl.constexpr, STAGES: gl.constexpr):
+    def _producer(x_desc, x_desc2, x_desc4, w_desc, x_bufs, w_bufs, ready, empty, row0, rows_used, wrow_g, wrow_u,
+                  num_k, BM: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr, NARROW: gl.constexpr):
+        """The copy-engine loads; of the activations only the rows the consumers' MMAs read (the
+        width _consumer picks: x_desc2 and x_desc4 fetch BM / 2 and BM / 4 rows)."""
+        if (NARROW > 0) & (NARROW <= BM // 4):
+            if rows_used <= BM // 4:
+                _produce(x_desc4, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM // 4,
+                         GATE_UP, STAGES)
+            elif rows_used <= BM // 2:
+                _produce(x_desc2, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM // 2,
+                         GATE_UP, STAGES)
+            else:
+                _produce(x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM, GATE_UP,
+                         STAGES)
+        elif (NARROW > 0) & (NARROW <= BM // 2):
+            if rows_used <= BM // 2:
+                _produce(x_desc2, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM // 2,
+                         GATE_UP, STAGES)
+            else:
+                _produce(x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM, GATE_UP,
+                         STAGES)
+        else:
+            _produce(x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM, GATE_UP, STAGES)
+
+    @gluon.jit
+    def _produce(x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, NE: gl.constexpr,
+                 GATE_UP: gl.constexpr, STAGES: gl.constexpr):
+        """Each K step's loads: the rows' two 32-value halves (x_desc's NE rows into the first NE
+        rows of the stage) and the packed weight tiles, completing on the stage's `ready`."""
         X_BYTES: gl.constexpr = x_desc.block_type.nbytes
         W_BYTES: gl.constexpr = w_desc.block_type.nbytes
         W_COPIES: gl.constexpr = 2 if GATE_UP else 1
@@ -324,8 +374,8 @@ def _define_kernels():
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, NBYTES)
-            _tma_load(x_desc, [row0, i * 64], bar, x_bufs.index(2 * s))
-            _tma_load(x_desc, [row0, i * 64 + 32], bar, x_bufs.index(2 * s + 1))
+            _tma_load(x_desc, [row0, i * 64], bar, x_bufs.index(2 * s).slice(0, NE, 0))
+            _tma_load(x_desc, [row0, i * 64 + 32], bar, x_bufs.index(2 * s + 1).slice(0, NE, 0))
             _tma_load(w_desc, [wrow_g, i * 32, 0], bar, w_bufs.index(2 * s))
             if GATE_UP:
                 _tma_load(w_desc, [wrow_u, i * 32, 0], bar, w_bufs.index(2 * s + 1))
@@ -333,14 +383,16 @@ def _define_kernels():
     @gluon.jit
     def _step(i, wl, wh, ul, uh, acc_g, acc_u, sg, su, x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u,
               stride_sg, offs_n, offs_c, num_k, CID: gl.constexpr, BNC: gl.constexpr, GROUP: gl.constexpr,
-              GATE_UP: gl.constexpr, STAGES: gl.constexpr, BYTE_L: gl.constexpr, A_L: gl.constexpr):
+              GATE_UP: gl.constexpr, STAGES: gl.constexpr, BYTE_L: gl.constexpr, A_L: gl.constexpr,
+              NE: gl.constexpr):
         """One K step of a consumer: its MMAs on the converted operands (wl, wh; GEMM1 also ul,
-        uh), and while they run the next step's weights converted (returned) and the scales of the
-        one after fetched; then the wait for the MMAs and the stage released."""
+        uh) and the first NE rows of the stage, and while they run the next step's weights
+        converted (returned) and the scales of the one after fetched; then the wait for the MMAs
+        and the stage released."""
         BNH: gl.constexpr = 2 * BNC
         s = i % STAGES
-        xl = x_bufs.index(2 * s).permute((1, 0))
-        xh = x_bufs.index(2 * s + 1).permute((1, 0))
+        xl = x_bufs.index(2 * s).slice(0, NE, 0).permute((1, 0))
+        xh = x_bufs.index(2 * s + 1).slice(0, NE, 0).permute((1, 0))
         acc_g = warpgroup_mma(wl, xl, acc_g, is_async=True)
         acc_g = warpgroup_mma(wh, xh, acc_g, is_async=True)
         if GATE_UP:
@@ -368,7 +420,27 @@ def _define_kernels():
     def _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr, stride_om,
                   topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID: gl.constexpr, BM: gl.constexpr,
                   BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
-                  BYTE_L: gl.constexpr):
+                  BYTE_L: gl.constexpr, NARROW: gl.constexpr):
+        """A consumer's block: its MMAs as wide as the block's rows need. NARROW > 0 (a power of
+        two): the rows used rounded up to NARROW, 2 NARROW, 4 NARROW, ... BM (a tensor's sizes
+        are powers of two), each width its own compiled body; 0: always BM."""
+        if NARROW == 0:
+            _consume(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr, stride_om,
+                     topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID, BM, BNC, GROUP, GATE_UP, STAGES,
+                     BYTE_L)
+        else:
+            for j in gl.static_range(BM.bit_length() - NARROW.bit_length() + 1):
+                if ((rows_used > (NARROW << j) // 2) | (j == 0)) & (rows_used <= (NARROW << j)):
+                    _consume(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
+                             stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID, NARROW << j, BNC,
+                             GROUP, GATE_UP, STAGES, BYTE_L)
+
+    @gluon.jit
+    def _consume(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr, stride_om,
+                 topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID: gl.constexpr, BM: gl.constexpr,
+                 BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
+                 BYTE_L: gl.constexpr):
+        """The consumer's K loop and epilogue on the first BM rows of its block (the MMA's N)."""
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BM, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
@@ -401,10 +473,10 @@ def _define_kernels():
         for i in range(0, num_k, 2):
             acc_g, acc_u, nl, nh, ml, mh, sg, su = _step(
                 i, wl, wh, ul, uh, acc_g, acc_u, sg, su, x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u,
-                stride_sg, offs_n, offs_c, num_k, CID, BNC, GROUP, GATE_UP, STAGES, BYTE_L, a_layout)
+                stride_sg, offs_n, offs_c, num_k, CID, BNC, GROUP, GATE_UP, STAGES, BYTE_L, a_layout, BM)
             acc_g, acc_u, wl, wh, ul, uh, sg, su = _step(
                 i + 1, nl, nh, ml, mh, acc_g, acc_u, sg, su, x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u,
-                stride_sg, offs_n, offs_c, num_k, CID, BNC, GROUP, GATE_UP, STAGES, BYTE_L, a_layout)
+                stride_sg, offs_n, offs_c, num_k, CID, BNC, GROUP, GATE_UP, STAGES, BYTE_L, a_layout, BM)
 
         out_layout: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, 4], [0, 1])
         offs_o = col0 + CID * BNC + gl.arange(0, BNC, layout=gl.SliceLayout(1, out_layout))
@@ -434,26 +506,26 @@ def _define_kernels():
     def _consumer_0(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
                     stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM: gl.constexpr,
                     BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
-                    BYTE_L: gl.constexpr):
+                    BYTE_L: gl.constexpr, NARROW: gl.constexpr):
         _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
                   stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, 0, BM, BNC, GROUP,
-                  GATE_UP, STAGES, BYTE_L)
+                  GATE_UP, STAGES, BYTE_L, NARROW)
 
     @gluon.jit
     def _consumer_1(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
                     stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM: gl.constexpr,
                     BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
-                    BYTE_L: gl.constexpr):
+                    BYTE_L: gl.constexpr, NARROW: gl.constexpr):
         _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
                   stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, 1, BM, BNC, GROUP,
-                  GATE_UP, STAGES, BYTE_L)
+                  GATE_UP, STAGES, BYTE_L, NARROW)
 
     @gluon.jit
-    def _ws_gemm_kernel(x_desc, w_desc, s_ptr, out_ptr, topk_w_ptr, sorted_slot_ptr, block_expert_ptr, block_rows_ptr,
+    def _ws_gemm_kernel(x_desc, x_desc2, x_desc4, w_desc, s_ptr, out_ptr, topk_w_ptr, sorted_slot_ptr, block_expert_ptr, block_rows_ptr,
                         K, N, stride_se, stride_sg, stride_om, w_row_groups,
                         BM: gl.constexpr, BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr,
                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                        BYTE_L: gl.constexpr):
+                        BYTE_L: gl.constexpr, NARROW: gl.constexpr):
         """One block of BM sorted rows x 2 * BNC output columns (GEMM1: gate and up of each);
         see the module docstring."""
         BNH: gl.constexpr = 2 * BNC
@@ -482,12 +554,12 @@ def _define_kernels():
             gl.warp_specialize([
                 (_consumer_0, (x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
                                 stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM, BNC, GROUP,
-                                GATE_UP, STAGES, BYTE_L)),
+                                GATE_UP, STAGES, BYTE_L, NARROW)),
                 (_consumer_1, (x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
                                 stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM, BNC, GROUP,
-                                GATE_UP, STAGES, BYTE_L)),
-                (_producer, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, GATE_UP,
-                             STAGES)),
+                                GATE_UP, STAGES, BYTE_L, NARROW)),
+                (_producer, (x_desc, x_desc2, x_desc4, w_desc, x_bufs, w_bufs, ready, empty, row0, rows_used, wrow_g,
+                             wrow_u, num_k, BM, GATE_UP, STAGES, NARROW)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -560,9 +632,11 @@ class GluonHopperPath:
             inter = torch.zeros((self.max_padded, shape.inter), dtype=dtype, device=self.moe._device)
             self._buffers[dtype] = dict(xs=xs, inter=inter)
         buf = self._buffers[dtype]
-        if ("xs", bm) not in buf:
-            buf[("xs", bm)] = rows_descriptor(buf["xs"], bm)
-            buf[("inter", bm)] = rows_descriptor(buf["inter"], bm)
+        # Also BM / 2 and BM / 4 rows a copy: the narrowed blocks' loads (_producer).
+        for rows in (bm, bm // 2, bm // 4):
+            if ("xs", rows) not in buf:
+                buf[("xs", rows)] = rows_descriptor(buf["xs"], rows)
+                buf[("inter", rows)] = rows_descriptor(buf["inter"], rows)
         return buf
 
     def release_buffers(self) -> None:
@@ -582,6 +656,10 @@ class GluonHopperPath:
         bm = tiles["g1"]["bm"]
         if tiles["g2"]["bm"] != bm:
             raise ValueError(f"GEMM1 and GEMM2 share the sorted blocks: bm {bm} and {tiles['g2']['bm']}")
+        for which in ("g1", "g2"):
+            narrow = tiles[which].get("narrow", 0)
+            if narrow and (narrow & (narrow - 1) or narrow > bm):
+                raise ValueError(f"{which}'s narrow {narrow} is not 0 or a power of two up to bm {bm}")
         padded = tm._padded_rows(shape, m, bm)
         blocks = triton.cdiv(padded, bm)
         if padded > min(moe._max_padded, self.max_padded) or blocks > self.block_expert.numel():
@@ -605,11 +683,12 @@ class GluonHopperPath:
             tile = tiles[which]
             bnh = 2 * tile["bnc"]
             _ws_gemm_kernel[(blocks * (n // bnh),)](
-                buf[(rows, bm)], self.weight_desc(which, tile["bnc"]), w.scales, out, topk_weights,
+                buf[(rows, bm)], buf[(rows, bm // 2)], buf[(rows, bm // 4)], self.weight_desc(which, tile["bnc"]),
+                w.scales, out, topk_weights,
                 moe._sorted_slot, self.block_expert, self.block_rows,
                 k, n, w.scales.stride(0), w.scales.stride(1), out.stride(0), w.packed.shape[1],
                 BM=bm, BNC=tile["bnc"], GROUP=shape.group_size, GATE_UP=which == "g1", STAGES=tile["stages"],
                 CONSUMER_REGS=tile.get("consumer_regs", 232), PRODUCER_REGS=tile.get("producer_regs", 40),
-                BYTE_L=byte_layout(tile["bnc"]), num_warps=4)
+                BYTE_L=byte_layout(tile["bnc"]), NARROW=tile.get("narrow", 0), num_warps=4)
         moe._g2_split = 1
         return moe.topk_sum(x) if "sum" in stages else None

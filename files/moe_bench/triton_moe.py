@@ -59,7 +59,7 @@ On an sm_90 GPU with Gluon, a third path exists for the tensor-core M range: moe
 (warp-specialised, copy-engine loads, warp-group MMAs), checked against this module's kernels
 on each tile set's first call and falling back to them on any failure (TritonW4A16MoE._gluon_runs);
 it is selected from gluon_moe.SELECT_SLOTS_PER_EXPERT slots per expert, where it measured faster
-(PERFORMANCE.md round 22; MOE_BENCH_GLUON=force runs it wherever it can run, =0 never).
+(PERFORMANCE.md rounds 22-23; MOE_BENCH_GLUON=force runs it wherever it can run, =0 never).
 
 From sm_90 every kernel of a forward launches with programmatic dependent launch (PDL): the
 next kernel's programs take the SMs the last programs of the one before leave idle and wait
@@ -1868,7 +1868,7 @@ class TritonW4A16MoE:
             from . import gluon_moe
 
             if self._gluon is not None and not gluon_moe.selected(self.layer, m):
-                cfg["gluon_fallback"] = gluon_moe.NOT_SELECTED
+                cfg["gluon_fallback"] = gluon_moe.not_selected_reason(self.layer, m)
             elif self._gluon is not None:
                 # What runs once the first call's check has passed (before it: expected to).
                 cfg["path"] = gluon_moe.PATH_NAME

@@ -62,9 +62,28 @@ def test_selection_by_slots_per_expert_and_by_the_switch():
     assert gluon_moe.can_run_at(KIMI, 1152)  # 24
     assert gluon_moe.selected(KIMI, 1152, env={"MOE_BENCH_GLUON": "force"})
     bound = gluon_moe.SELECT_SLOTS_PER_EXPERT
-    for m in (1152, 2048, 4096, 8192):
+    for m in (1152, 2048, 2560, 3072, 4096, 8192):
         spe = m * KIMI.topk / KIMI.experts
         assert gluon_moe.selected(KIMI, m, env={}) == (bound is not None and spe >= bound)
+        reason = gluon_moe.not_selected_reason(KIMI, m, env={})
+        assert reason == (None if spe >= bound else gluon_moe.NOT_SELECTED)
+    assert gluon_moe.selected(KIMI, 3072, env={}) and not gluon_moe.selected(KIMI, 2560, env={})  # 64, 53
+    # The --tp 8 shard's narrow intermediate: not selected at any M, and the reason names the layer.
+    tp8 = presets.PRESETS["kimi-k2.6"].shape(8)
+    assert tp8.inter < gluon_moe.SELECT_MIN_INTER
+    assert gluon_moe.not_selected_reason(tp8, 8192, env={}) == gluon_moe.NOT_SELECTED_SHAPE
+    assert gluon_moe.not_selected_reason(tp8, 1024, env={}) == gluon_moe.NOT_SELECTED
+    assert gluon_moe.selected(tp8, 8192, env={"MOE_BENCH_GLUON": "force"})
+
+
+def test_narrowed_tiles_are_checked_before_any_launch():
+    assert gluon_moe.TILES_BM128["g1"]["narrow"] == 32 and gluon_moe.TILES_BM128["g2"]["narrow"] == 32
+    path = gluon_moe.GluonHopperPath.__new__(gluon_moe.GluonHopperPath)
+    path.moe = type("M", (), {"shape": SMALL})()
+    bad = {"g1": dict(gluon_moe.TILES_BM128["g1"], narrow=48), "g2": gluon_moe.TILES_BM128["g2"]}
+    x = torch.zeros((4, SMALL.hidden), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="narrow 48 is not 0 or a power of two"):
+        path.forward(x, None, None, tiles=bad)
 
 
 def test_tiles_by_slots_per_expert_and_the_workspace_for_the_largest(monkeypatch):
@@ -154,6 +173,7 @@ def test_a_failing_path_falls_back_and_the_results_say_why(mode, reason, monkeyp
 def test_selected_by_default_only_from_its_slots_per_expert_and_the_results_say_so(monkeypatch):
     moe, _, (x, ids, wts) = _backend("ok", monkeypatch)
     monkeypatch.delenv("MOE_BENCH_GLUON", raising=False)
+    monkeypatch.setattr(gluon_moe, "SELECT_MIN_INTER", SMALL.inter)  # the rule by slots per expert alone
     monkeypatch.setattr(gluon_moe, "SELECT_SLOTS_PER_EXPERT", 33.0)  # M=64 is 32 slots per expert
     moe(x, ids, wts)
     assert moe._gluon.calls == 0
@@ -180,7 +200,9 @@ def test_asked_off_by_the_caller():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
                     or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
                     reason="needs an sm_90 GPU and compiled kernels (TRITON_INTERPRET=0)")
-@pytest.mark.parametrize("m", [96, 300, 600])  # 24, 75 and 150 slots per expert: both tile sets
+# 24, 50, 75 and 150 slots per expert: both tile sets, and bm128's blocks at MMA widths 64 (50),
+# 128 (75) and 128 with 32 in each expert's last block (150).
+@pytest.mark.parametrize("m", [96, 200, 300, 600])
 def test_gluon_kernels_on_the_gpu(m, monkeypatch):
     monkeypatch.setenv("MOE_BENCH_GLUON", "force")
     shape = quant.MoEShape(experts=8, hidden=512, inter=256, topk=2, group_size=32)
