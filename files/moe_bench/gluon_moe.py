@@ -33,9 +33,14 @@ one 8-byte shared-memory load per thread and row (byte_layout: 8 consecutive byt
 weights, all of one 32-value scale group, so one scale per row and step), converts each
 4-byte word with 15 instructions (_WORD_PTX: nibble to bf16 under the exponent of 128, minus
 136, times the scale), relabels K so that the registers already are the warp-group MMA's
-register operand (no data movement: the conversion's assert_trivial), issues the MMAs with
-the activations from shared memory, and while they run converts the next step's weights; the
-K loop is unrolled by two so the two operand sets take turns without register copies.
+register operand (no data movement: the conversion's assert_trivial), and issues the MMAs with
+the activations from shared memory. The K loop takes two steps a turn (_consume): step i's
+MMAs run while step i + 1's weights are converted, step i + 1's MMAs are queued behind them at
+once, and while those run step i's alone are waited for, its stage released and step i + 2's
+weights converted into the registers step i read; so the two operand sets take turns without
+register copies and a conversion never waits for the MMAs it does not feed (with one wait
+per step for all of a step's MMAs, the compiler put each conversion after the wait: no overlap,
+PERFORMANCE.md round 24).
 
 Operand order: a 64-value K block of the packed layout holds in its 32 bytes per column the
 values 0-15 and 32-47 in the low nibbles and 16-31 and 48-63 in the high nibbles. A consumer
@@ -100,19 +105,20 @@ MIN_SLOTS_PER_EXPERT = 24.0
 # K values per program of the gather (a multiple of 64: whole operand-order blocks).
 GATHER_BK = 128
 # The slots per expert from which the backend picks this path by itself (None: never). Measured
-# on one H200 against the plain-Triton rows (PERFORMANCE.md, rounds 22-23): with the narrowed
-# MMAs (TILES_BM128's "narrow") faster at 64 slots per expert on every preset with a large
-# intermediate (kimi-k2.6 M=3072 by 11%, deepseek-v3 M=2048 9%, qwen3-235b-a22b M=1024 8%,
-# mixtral-8x7b M=256 18%) and beyond (5-30%); at 48-53 slower (kimi-k2.6 M=2560 by 4%,
-# qwen3-235b-a22b M=768 7%). MOE_BENCH_GLUON=force runs it wherever it can run (measurement and
-# tuning), MOE_BENCH_GLUON=0 never.
-SELECT_SLOTS_PER_EXPERT: float | None = 64.0
+# on one H200 against the plain-Triton rows (PERFORMANCE.md, rounds 22-24): with the narrowed
+# MMAs (TILES_BM128's "narrow") and the two-step consumer loop faster from 43 slots per expert on
+# every preset with a large intermediate (kimi-k2.6 M=2048 by 9%, M=2560 12%, deepseek-v3 M=1536
+# 2%, mixtral-8x7b M=192 18%, qwen3-235b-a22b M=768 level) and beyond (12-24% at 64); at 36-40
+# faster for kimi-k2.6 and mixtral-8x7b (8-15%), 2% slower for deepseek-v3 and qwen3-235b-a22b;
+# at 24-32 slower (round 22: kimi-k2.6 M=1152 by 25%, deepseek-v3 M=1024 11%).
+# MOE_BENCH_GLUON=force runs it wherever it can run (measurement and tuning), MOE_BENCH_GLUON=0 never.
+SELECT_SLOTS_PER_EXPERT: float | None = 40.0
 # ... and only where the layer's intermediate (GEMM2's K) is at least this wide: with kimi-k2.6's
 # --tp 8 shard (256: GEMM2 four K steps, GEMM1 two column tiles a block) the plain rows were
 # faster at 64 slots per expert (1307 against 1574 us) and as fast at 85 (PERFORMANCE.md, round 23).
 SELECT_MIN_INTER = 1024
 NOT_SELECTED = (f"not selected at this M: below {SELECT_SLOTS_PER_EXPERT:g} slots per expert the plain-Triton "
-                "kernels are as fast or faster on the H200 (PERFORMANCE.md, rounds 22-23); MOE_BENCH_GLUON=force runs it")
+                "kernels are as fast or faster on the H200 (PERFORMANCE.md, rounds 22-24); MOE_BENCH_GLUON=force runs it")
 NOT_SELECTED_SHAPE = (f"not selected for this layer: with an intermediate under {SELECT_MIN_INTER} columns the "
                       "plain-Triton kernels are as fast or faster on the H200 (PERFORMANCE.md, round 23); "
                       "MOE_BENCH_GLUON=force runs it")
@@ -313,7 +319,7 @@ def byte_layout(rows: int):
 def _define_kernels():
     """The Gluon kernels, defined only where Gluon imports (a version whose names differ
     leaves GLUON_IMPORT_ERROR saying so instead of failing the payload's import)."""
-    global _tma_load, _WORD, _convert, _step, _producer, _produce, _consumer, _consume, _consumer_0, _consumer_1, _ws_gemm_kernel
+    global _tma_load, _WORD, _convert, _mmas, _weights, _scales, _producer, _produce, _consumer, _consume, _consumer_0, _consumer_1, _ws_gemm_kernel
     # The copy-engine load is tma.async_copy_global_to_shared in Triton 3.6, tma.async_load later.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _WORD = gl.constexpr(_WORD_PTX)
@@ -381,15 +387,8 @@ def _define_kernels():
                 _tma_load(w_desc, [wrow_u, i * 32, 0], bar, w_bufs.index(2 * s + 1))
 
     @gluon.jit
-    def _step(i, wl, wh, ul, uh, acc_g, acc_u, sg, su, x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u,
-              stride_sg, offs_n, offs_c, num_k, CID: gl.constexpr, BNC: gl.constexpr, GROUP: gl.constexpr,
-              GATE_UP: gl.constexpr, STAGES: gl.constexpr, BYTE_L: gl.constexpr, A_L: gl.constexpr,
-              NE: gl.constexpr):
-        """One K step of a consumer: its MMAs on the converted operands (wl, wh; GEMM1 also ul,
-        uh) and the first NE rows of the stage, and while they run the next step's weights
-        converted (returned) and the scales of the one after fetched; then the wait for the MMAs
-        and the stage released."""
-        BNH: gl.constexpr = 2 * BNC
+    def _mmas(wl, wh, ul, uh, acc_g, acc_u, x_bufs, i, STAGES: gl.constexpr, GATE_UP: gl.constexpr, NE: gl.constexpr):
+        """Step i's MMAs (asynchronous) on the converted operands and the stage's first NE rows."""
         s = i % STAGES
         xl = x_bufs.index(2 * s).slice(0, NE, 0).permute((1, 0))
         xh = x_bufs.index(2 * s + 1).slice(0, NE, 0).permute((1, 0))
@@ -398,23 +397,33 @@ def _define_kernels():
         if GATE_UP:
             acc_u = warpgroup_mma(ul, xl, acc_u, is_async=True)
             acc_u = warpgroup_mma(uh, xh, acc_u, is_async=True)
-        i1 = i + 1
-        s1 = i1 % STAGES
-        mbarrier.wait(ready.index(s1), (i1 // STAGES) & 1, pred=i1 < num_k)
-        nl, nh = _convert(w_bufs.index(2 * s1).reshape([BNH, 2, 16]).slice(CID * BNC, BNC, 0), sg, BYTE_L, A_L, BNC)
+        return acc_g, acc_u
+
+    @gluon.jit
+    def _weights(i, sg, su, w_bufs, ready, num_k, CID: gl.constexpr, BNC: gl.constexpr, GATE_UP: gl.constexpr,
+                 STAGES: gl.constexpr, BYTE_L: gl.constexpr, A_L: gl.constexpr):
+        """Step i's weights (when it has arrived; i >= num_k: a stale stage, never used)
+        converted with its scales sg (and su)."""
+        BNH: gl.constexpr = 2 * BNC
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1, pred=i < num_k)
+        nl, nh = _convert(w_bufs.index(2 * s).reshape([BNH, 2, 16]).slice(CID * BNC, BNC, 0), sg, BYTE_L, A_L, BNC)
         ml, mh = nl, nh
         if GATE_UP:
-            ml, mh = _convert(w_bufs.index(2 * s1 + 1).reshape([BNH, 2, 16]).slice(CID * BNC, BNC, 0), su, BYTE_L,
+            ml, mh = _convert(w_bufs.index(2 * s + 1).reshape([BNH, 2, 16]).slice(CID * BNC, BNC, 0), su, BYTE_L,
                               A_L, BNC)
-        s_off = ((gl.minimum(i + 2, num_k - 1) * 64 + 32 * offs_c) // GROUP)[None, :] * stride_sg + offs_n[:, None]
+        return nl, nh, ml, mh
+
+    @gluon.jit
+    def _scales(i, s_ptr, s_base_g, s_base_u, stride_sg, offs_n, offs_c, num_k, GROUP: gl.constexpr,
+                GATE_UP: gl.constexpr):
+        """Step i's scales (clamped to the last step), one per row and 32-value chunk."""
+        s_off = ((gl.minimum(i, num_k - 1) * 64 + 32 * offs_c) // GROUP)[None, :] * stride_sg + offs_n[:, None]
         sg = gl.load(s_ptr + s_base_g + s_off)
+        su = sg
         if GATE_UP:
             su = gl.load(s_ptr + s_base_u + s_off)
-            acc_g, acc_u, wl, wh, ul, uh = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u, wl, wh, ul, uh))
-        else:
-            acc_g, wl, wh = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, wl, wh))
-        mbarrier.arrive(empty.index(s), count=1)
-        return acc_g, acc_u, nl, nh, ml, mh, sg, su
+        return sg, su
 
     @gluon.jit
     def _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr, stride_om,
@@ -445,38 +454,40 @@ def _define_kernels():
                                                              instr_shape=[16, BM, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
         s_layout: gl.constexpr = gl.SliceLayout(2, BYTE_L)
-        BNH: gl.constexpr = 2 * BNC
         acc_g = gl.zeros([BNC, BM], gl.float32, mma_layout)
         acc_u = gl.zeros([BNC, BM], gl.float32, mma_layout)
         offs_n = CID * BNC + gl.arange(0, BNC, layout=gl.SliceLayout(1, s_layout))
         offs_c = gl.arange(0, 2, layout=gl.SliceLayout(0, s_layout))
-        # Software-pipelined: while a step's MMAs run, the next step's weights are loaded and
-        # converted and the scales of the one after are fetched; the operands of the MMAs in
-        # flight stay live (passed to the wait) so nothing overwrites them early.
-        s_off = ((32 * offs_c) // GROUP)[None, :] * stride_sg + offs_n[:, None]
-        sg = gl.load(s_ptr + s_base_g + s_off)
-        su = sg
-        if GATE_UP:
-            su = gl.load(s_ptr + s_base_u + s_off)
-        mbarrier.wait(ready.index(0), 0)
-        wl, wh = _convert(w_bufs.index(0).reshape([BNH, 2, 16]).slice(CID * BNC, BNC, 0), sg, BYTE_L, a_layout, BNC)
-        ul, uh = wl, wh
-        if GATE_UP:
-            ul, uh = _convert(w_bufs.index(1).reshape([BNH, 2, 16]).slice(CID * BNC, BNC, 0), su, BYTE_L, a_layout,
-                              BNC)
-        s_off = ((gl.minimum(1, num_k - 1) * 64 + 32 * offs_c) // GROUP)[None, :] * stride_sg + offs_n[:, None]
-        sg = gl.load(s_ptr + s_base_g + s_off)
-        if GATE_UP:
-            su = gl.load(s_ptr + s_base_u + s_off)
-        # Unrolled by two (num_k is even: shape_unavailable_reason), so the two operand sets
-        # take turns without register copies between steps.
-        for i in range(0, num_k, 2):
-            acc_g, acc_u, nl, nh, ml, mh, sg, su = _step(
-                i, wl, wh, ul, uh, acc_g, acc_u, sg, su, x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u,
-                stride_sg, offs_n, offs_c, num_k, CID, BNC, GROUP, GATE_UP, STAGES, BYTE_L, a_layout, BM)
-            acc_g, acc_u, wl, wh, ul, uh, sg, su = _step(
-                i + 1, nl, nh, ml, mh, acc_g, acc_u, sg, su, x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u,
-                stride_sg, offs_n, offs_c, num_k, CID, BNC, GROUP, GATE_UP, STAGES, BYTE_L, a_layout, BM)
+        # Software-pipelined two steps at a time: step i's MMAs run while step i + 1's weights
+        # are converted, step i + 1's are issued behind them at once (so the tensor cores keep
+        # this warp group's work queued), and while those run the wait for step i's alone, its
+        # stage released, step i + 2's weights converted into the registers it read; then the
+        # wait for step i + 1's. The operands of the MMAs in flight stay live (passed to the
+        # waits) so nothing overwrites them early; scales are fetched two steps ahead.
+        sg, su = _scales(0, s_ptr, s_base_g, s_base_u, stride_sg, offs_n, offs_c, num_k, GROUP, GATE_UP)
+        wl, wh, ul, uh = _weights(0, sg, su, w_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES, BYTE_L, a_layout)
+        sg1, su1 = _scales(1, s_ptr, s_base_g, s_base_u, stride_sg, offs_n, offs_c, num_k, GROUP, GATE_UP)
+        sg2, su2 = _scales(2, s_ptr, s_base_g, s_base_u, stride_sg, offs_n, offs_c, num_k, GROUP, GATE_UP)
+        for i in range(0, num_k, 2):  # (num_k is even: shape_unavailable_reason)
+            acc_g, acc_u = _mmas(wl, wh, ul, uh, acc_g, acc_u, x_bufs, i, STAGES, GATE_UP, BM)
+            nl, nh, ml, mh = _weights(i + 1, sg1, su1, w_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES, BYTE_L,
+                                      a_layout)
+            sg1, su1 = _scales(i + 3, s_ptr, s_base_g, s_base_u, stride_sg, offs_n, offs_c, num_k, GROUP, GATE_UP)
+            acc_g, acc_u = _mmas(nl, nh, ml, mh, acc_g, acc_u, x_bufs, i + 1, STAGES, GATE_UP, BM)
+            # Each warpgroup_mma is one commit group: step i + 1's (four, GEMM2 two) stay outstanding.
+            if GATE_UP:
+                acc_g, acc_u, wl, wh, ul, uh = warpgroup_mma_wait(num_outstanding=4, deps=(acc_g, acc_u, wl, wh, ul, uh))
+            else:
+                acc_g, wl, wh = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, wl, wh))
+            mbarrier.arrive(empty.index(i % STAGES), count=1)
+            wl, wh, ul, uh = _weights(i + 2, sg2, su2, w_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES, BYTE_L,
+                                      a_layout)
+            sg2, su2 = _scales(i + 4, s_ptr, s_base_g, s_base_u, stride_sg, offs_n, offs_c, num_k, GROUP, GATE_UP)
+            if GATE_UP:
+                acc_g, acc_u, nl, nh, ml, mh = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u, nl, nh, ml, mh))
+            else:
+                acc_g, nl, nh = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, nl, nh))
+            mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
 
         out_layout: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, 4], [0, 1])
         offs_o = col0 + CID * BNC + gl.arange(0, BNC, layout=gl.SliceLayout(1, out_layout))
