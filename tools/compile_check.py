@@ -6,7 +6,8 @@ Portability (issue 17, item 5): every configuration any preset's table uses, for
 architecture asked for, with the installed Triton; exit 1 when one fails to compile, does not
 fit the architecture (shared memory per block, registers per thread and per SM, any spill to
 local memory) or, on sm_90, runs warp-group MMAs whose register operand is overwritten in
-flight in the form the backend would keep:
+flight in the form the backend would keep, or (the Gluon GEMMs) whose MMAs the compiler
+serialised (a wait after every one: wgmma_serialised):
 
   PYTHONPATH=files python3 tools/compile_check.py --arch sm_80,sm_89,sm_90,sm_100,sm_120 --preset all [--tp 1,8] [--jobs 2]
 
@@ -332,6 +333,19 @@ def fit_problems(d: dict, arch: int, limits, threads: int) -> list[str]:
     return problems
 
 
+def wgmma_serialised(counts: dict) -> str | None:
+    """Why the compiled warp-group MMAs run one at a time (None: they do not): ptxas, where it
+    cannot keep an MMA's registers untouched while it runs ("insufficient register resources",
+    its C7512), puts a wait (WARPGROUP.DEPBAR) after every HGMMA; the code is right and about
+    half as fast (seen with the Gluon GEMMs' MMAs left in flight across the K loop's back edge,
+    PERFORMANCE.md round 24). A warp-specialised GEMM waits once per step or fewer."""
+    hgmma, waits = counts.get("HGMMA", 0), counts.get("WARPGROUP.DEPBAR", 0)
+    if hgmma and waits >= hgmma:
+        return (f"warp-group MMAs serialised by the compiler: {waits} waits for {hgmma} HGMMA (each one waited "
+                "for alone; ptxas's C7512)")
+    return None
+
+
 def check_gluon_job(job: dict) -> dict:
     """Compile the Gluon path's kernel for job's architecture, or say why it does not apply there."""
     started = time.perf_counter()
@@ -353,7 +367,11 @@ def check_gluon_job(job: dict) -> dict:
     problems += fit_problems(d, arch, limits, threads=32 * 12)  # two consumer warp groups, the producer's
     if not d["counts"].get("HGMMA"):
         problems.append("no HGMMA in the compiled code")
-    summary = f"regs {d['regs']:3d} smem {d['shared']:6d} local {d['local']} HGMMA={d['counts'].get('HGMMA', 0)}"
+    serialised = wgmma_serialised(d["counts"])
+    if serialised:
+        problems.append(serialised)
+    summary = (f"regs {d['regs']:3d} smem {d['shared']:6d} local {d['local']} HGMMA={d['counts'].get('HGMMA', 0)} "
+               f"waits={d['counts'].get('WARPGROUP.DEPBAR', 0)}")
     return dict(label=label, used_by=job["used_by"], problems=problems, notes=[], summary=summary,
                 seconds=time.perf_counter() - started)
 

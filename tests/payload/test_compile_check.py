@@ -9,6 +9,7 @@ or as `make compile-check`.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -129,3 +130,25 @@ def test_the_compiled_forms_wait_for_the_kernel_before_where_pdl_runs(arch, pdl)
     assert result.returncode == 0, result.stderr[-3000:]
     expected = "1 1" if pdl else "0 0"
     assert result.stdout.split("\n")[:3] == [expected] * 3, result.stdout
+
+
+def test_serialised_warp_group_mmas_are_a_problem():
+    # In a process of its own (the tool's module imports Triton's compiler, which conftest.py's
+    # interpreter setting does not affect here; nothing is compiled). The counts are the Gluon
+    # GEMM1's as shipped (96 HGMMA, 12 waits) and with its MMAs left in flight across the K loop's
+    # back edge, which ptxas serialised (a wait after each: PERFORMANCE.md round 24).
+    code = (
+        "import json, compile_check as cc\n"
+        "print(json.dumps([cc.wgmma_serialised({'HGMMA': 96, 'WARPGROUP.DEPBAR': 12}),\n"
+        "                  cc.wgmma_serialised({'HGMMA': 96, 'WARPGROUP.DEPBAR': 96}),\n"
+        "                  cc.wgmma_serialised({'HMMA': 16})]))\n"
+    )
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = os.pathsep.join((str(REPO_ROOT / "files"), str(REPO_ROOT / "tools")))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                            cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    shipped, serialised, no_wgmma = json.loads(result.stdout.strip().splitlines()[-1])
+    assert shipped is None and no_wgmma is None
+    assert "serialised" in serialised and "96 waits for 96 HGMMA" in serialised
