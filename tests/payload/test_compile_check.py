@@ -36,13 +36,26 @@ def _triton_nvidia_tools() -> bool:
 pytestmark = pytest.mark.skipif(not _triton_nvidia_tools(), reason="Triton with its NVIDIA backend tools is needed")
 
 
-def run_check(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+def _tool_env() -> dict:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the tool compiles for real GPU targets
     env["PYTHONPATH"] = os.pathsep.join((str(REPO_ROOT / "files"), str(REPO_ROOT / "tools")))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default, stated (newer Triton warns otherwise)
+    return env
+
+
+def run_check(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "compile_check.py"), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO_ROOT)
+                          capture_output=True, text=True, timeout=timeout, env=_tool_env(), cwd=REPO_ROOT)
+
+
+def run_code(code: str, timeout: float) -> subprocess.CompletedProcess:
+    """Python code against the tool's module, in a process of its own: this one runs Triton's
+    interpreter (conftest.py), which does not compile."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                            env=_tool_env(), cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
 
 
 def _assert_clean(result: subprocess.CompletedProcess) -> None:
@@ -79,7 +92,6 @@ def test_every_preset_compiles_and_fits_on_every_architecture():
 
 
 def test_a_configuration_over_the_shared_memory_of_an_architecture_fails():
-    # In a process of its own: this one runs Triton's interpreter (conftest.py), which does not compile.
     code = (
         "import json, compile_check\n"
         "deep = dict(bn=128, bk=128, warps=4, stages=6, post=False, whole=True, swap=True, split=1, asm=True)\n"
@@ -87,13 +99,7 @@ def test_a_configuration_over_the_shared_memory_of_an_architecture_fails():
         "           by_expert=None, used_by=['a made-up row'])\n"
         "print(json.dumps(compile_check.check_job(job)['problems']))\n"
     )
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    env["PYTHONPATH"] = os.pathsep.join((str(REPO_ROOT / "files"), str(REPO_ROOT / "tools")))
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
-                            cwd=REPO_ROOT)
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_code(code, timeout=300)
     problems = result.stdout.strip().splitlines()[-1]
     assert "shared memory" in problems and "over sm_120" in problems, problems
 
@@ -122,19 +128,13 @@ def test_the_compiled_forms_wait_for_the_kernel_before_where_pdl_runs(arch, pdl)
         "          cc.compile_gemm(2, 16, tm.TENSOR_BM16['g2'], target=t, overlap=False)):\n"
         "    ptx = k.asm['ptx']\n"
         "    print(int('griddepcontrol.wait' in ptx), int('griddepcontrol.launch_dependents' in ptx))\n")
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
-                            cwd=REPO_ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_code(code, timeout=600)
     expected = "1 1" if pdl else "0 0"
     assert result.stdout.split("\n")[:3] == [expected] * 3, result.stdout
 
 
 def test_serialised_warp_group_mmas_are_a_problem():
-    # In a process of its own (the tool's module imports Triton's compiler, which conftest.py's
-    # interpreter setting does not affect here; nothing is compiled). The counts are the Gluon
+    # Nothing is compiled: the counts are the Gluon
     # GEMM1's as shipped (96 HGMMA, 12 waits) and with its MMAs left in flight across the K loop's
     # back edge, which ptxas serialised (a wait after each: PERFORMANCE.md round 24).
     code = (
@@ -143,12 +143,7 @@ def test_serialised_warp_group_mmas_are_a_problem():
         "                  cc.wgmma_serialised({'HGMMA': 96, 'WARPGROUP.DEPBAR': 96}),\n"
         "                  cc.wgmma_serialised({'HMMA': 16})]))\n"
     )
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    env["PYTHONPATH"] = os.pathsep.join((str(REPO_ROOT / "files"), str(REPO_ROOT / "tools")))
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
-                            cwd=REPO_ROOT)
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_code(code, timeout=120)
     shipped, serialised, no_wgmma = json.loads(result.stdout.strip().splitlines()[-1])
     assert shipped is None and no_wgmma is None
     assert "serialised" in serialised and "96 waits for 96 HGMMA" in serialised
