@@ -752,6 +752,9 @@ class GluonHopperPath:
             narrow = tiles[which].get("narrow", 0)
             if narrow and (narrow & (narrow - 1) or narrow > bm):
                 raise ValueError(f"{which}'s narrow {narrow} is not 0 or a power of two up to bm {bm}")
+            if tiles[which].get("mid") and not (narrow and narrow <= bm // 4):
+                raise ValueError(f"{which}'s mid (the 3 bm / 4 wide body) needs a narrow of at most bm / 4 = {bm // 4}, "
+                                 f"not {narrow}")
         padded = tm._padded_rows(shape, m, bm)
         blocks = triton.cdiv(padded, bm)
         if padded > min(moe._max_padded, self.max_padded) or blocks > self.block_expert.numel():

@@ -85,6 +85,9 @@ def test_narrowed_tiles_are_checked_before_any_launch():
     x = torch.zeros((4, SMALL.hidden), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="narrow 48 is not 0 or a power of two"):
         path.forward(x, None, None, tiles=bad)
+    bad = {"g1": gluon_moe.TILES_BM128["g1"], "g2": dict(gluon_moe.TILES_BM128["g2"], narrow=64)}
+    with pytest.raises(ValueError, match="g2's mid .* needs a narrow of at most bm / 4 = 32, not 64"):
+        path.forward(x, None, None, tiles=bad)
 
 
 def test_tiles_by_slots_per_expert_and_the_workspace_for_the_largest(monkeypatch):
