@@ -4,9 +4,8 @@ instructions that matter (a development tool, not the payload).
 
 Portability (issue 17, item 5): every configuration any preset's table uses, for every
 architecture asked for, with the installed Triton; exit 1 when one fails to compile, does not
-fit the architecture (shared memory per block, registers per thread and per SM, a spill to
-local memory inside a loop; spills no loop touches, reloaded once per program, are reported
-beside the result) or, on sm_90, runs warp-group MMAs whose register operand is overwritten in
+fit the architecture (shared memory per block, registers per thread and per SM, any spill to
+local memory) or, on sm_90, runs warp-group MMAs whose register operand is overwritten in
 flight in the form the backend would keep, or (the Gluon GEMMs) whose MMAs the compiler
 serialised (a wait after every one: wgmma_serialised):
 
@@ -182,8 +181,7 @@ def compile_gluon(which: str, tile: dict, group: int = 32, *, target=None):
                  "stride_sg": "i32", "stride_om": "i32", "w_row_groups": "i32"}
     constants = dict(BM=tile["bm"], BNC=tile["bnc"], GROUP=group, GATE_UP=which == "g1", STAGES=tile["stages"],
                      CONSUMER_REGS=tile.get("consumer_regs", 232), PRODUCER_REGS=tile.get("producer_regs", 40),
-                     BYTE_L=gluon_moe.byte_layout(tile["bnc"]), NARROW=tile.get("narrow", 0),
-                     MID=bool(tile.get("mid", False)))
+                     BYTE_L=gluon_moe.byte_layout(tile["bnc"]), NARROW=tile.get("narrow", 0))
     for name in constants:
         signature[name] = "constexpr"
     src = GluonASTSource(gluon_moe._ws_gemm_kernel, signature, constants, {})
@@ -191,24 +189,6 @@ def compile_gluon(which: str, tile: dict, group: int = 32, *, target=None):
 
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-
-
-def loop_spills(sass: str) -> int:
-    """How many of the SASS's local-memory spill instructions (LDL, STL) sit inside a loop: the
-    address range of a conditional branch back to an earlier address (a K loop's back edge; the
-    copy-engine waits' retry stubs branch back unconditionally and are not loops)."""
-    ins = []
-    for line in sass.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
-        if m:
-            ins.append((int(m.group(1), 16), m.group(2)))
-    loops = []
-    for addr, text in ins:
-        m = re.match(r"@!?U?P\w+\s+BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            loops.append((int(m.group(1), 16), addr))
-    return sum(1 for addr, text in ins if re.match(r"(?:@!?U?P\w+\s+)?(?:LDL|STL)\b", text)
-               and any(lo <= addr <= hi for lo, hi in loops))
 
 
 def describe(compiled) -> dict:
@@ -225,7 +205,7 @@ def describe(compiled) -> dict:
     counts = {op: len(re.findall(rf"\b{re.escape(op)}(?:\.|\s)", sass)) for op in OPS}
     ptx = compiled.asm["ptx"]
     return dict(regs=int(regs.group(1)) if regs else -1, stack=int(stack.group(1)) if stack else -1,
-                local=int(local.group(1)) if local else -1, loop_spills=loop_spills(sass), shared=compiled.metadata.shared,
+                local=int(local.group(1)) if local else -1, shared=compiled.metadata.shared,
                 wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"), counts=counts, sass=sass)
 
 
@@ -348,19 +328,9 @@ def fit_problems(d: dict, arch: int, limits, threads: int) -> list[str]:
         problems.append(f"shared memory {d['shared']} B over sm_{arch}'s {limits.smem_per_block} B per block")
     if d["regs"] > MAX_REGISTERS_PER_THREAD or d["regs"] * threads > REGISTERS_PER_SM:
         problems.append(f"{d['regs']} registers x {threads} threads do not fit sm_{arch}'s register file")
-    if (d["local"] > 0 or d["stack"] > 0) and d.get("loop_spills", 1) > 0:
-        problems.append(f"spills: {d['local']} B local memory, {d['stack']} B stack per thread, "
-                        f"{d.get('loop_spills', '?')} spill loads or stores inside a loop")
+    if d["local"] > 0 or d["stack"] > 0:
+        problems.append(f"spills: {d['local']} B local memory, {d['stack']} B stack per thread")
     return problems
-
-
-def fit_notes(d: dict) -> list[str]:
-    """What of a compiled kernel fits but is worth saying: spills no loop touches (a few values
-    kept in local memory across the whole kernel, reloaded once per program, not per step)."""
-    if (d["local"] > 0 or d["stack"] > 0) and d.get("loop_spills", 1) == 0:
-        return [f"spills outside every loop: {d['local']} B local memory, {d['stack']} B stack per thread "
-                "(no spill load or store inside a loop)"]
-    return []
 
 
 def wgmma_serialised(counts: dict) -> str | None:
@@ -382,7 +352,7 @@ def check_gluon_job(job: dict) -> dict:
     arch, limits = job["arch"], ARCHS[job["arch"]]
     tile = job["tile"]
     label = (f"sm_{arch} GEMM{job['gluon'][1]} Gluon warp-specialised bm{tile['bm']},bnc={tile['bnc']},"
-             f"stages={tile['stages']}{',mid' if tile.get('mid') else ''}")
+             f"stages={tile['stages']}")
     reason = gluon_moe.path_unavailable_reason(limits.capability, gluon_moe.api_error(), env={})
     if reason is not None:
         return dict(label=label, used_by=job["used_by"], problems=[], notes=[f"not applicable: {reason}"],
@@ -395,7 +365,6 @@ def check_gluon_job(job: dict) -> dict:
                                                                    f"{str(exc)[:300]}"], notes=[],
                     seconds=time.perf_counter() - started)
     problems += fit_problems(d, arch, limits, threads=32 * 12)  # two consumer warp groups, the producer's
-    notes = fit_notes(d)
     if not d["counts"].get("HGMMA"):
         problems.append("no HGMMA in the compiled code")
     serialised = wgmma_serialised(d["counts"])
@@ -403,7 +372,7 @@ def check_gluon_job(job: dict) -> dict:
         problems.append(serialised)
     summary = (f"regs {d['regs']:3d} smem {d['shared']:6d} local {d['local']} HGMMA={d['counts'].get('HGMMA', 0)} "
                f"waits={d['counts'].get('WARPGROUP.DEPBAR', 0)}")
-    return dict(label=label, used_by=job["used_by"], problems=problems, notes=notes, summary=summary,
+    return dict(label=label, used_by=job["used_by"], problems=problems, notes=[], summary=summary,
                 seconds=time.perf_counter() - started)
 
 
@@ -446,7 +415,6 @@ def check_job(job: dict) -> dict:
     if job["g"].get("mma8") and "HMMA.16816.F32.BF16" not in d["sass"]:
         problems.append("no bf16 mma.sync (HMMA.16816.F32.BF16) in the compiled code")
     problems += fit_problems(d, arch, limits, threads=32 * warps)
-    notes += fit_notes(d)
     summary = (f"regs {d['regs']:3d} smem {d['shared']:6d} local {d['local']} "
                + " ".join(f"{op}={d['counts'][op]}" for op in ("HGMMA", "HMMA") if d["counts"].get(op))
                + (f" UTCMMA={d['sass'].count('UTCHMMA') + d['sass'].count('UTCQMMA')}" if 100 <= arch < 120 else ""))

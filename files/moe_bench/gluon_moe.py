@@ -27,9 +27,8 @@ partitions: a producer warp that issues the copy-engine loads of each 64-value K
 rows' two halves, the packed weight tiles) into a ring of STAGES shared-memory buffers, each
 completing on its `ready` mbarrier, and two consumer warp groups, each owning BNC weight rows
 (GEMM1: BNC gate and BNC up columns); both take the narrowest MMA width (a power of two from
-the tile's NARROW up to BM, and with the tile's MID 3 BM / 4 as a BM / 2 and a BM / 4 wide
-accumulator on the same converted weights) that holds the block's rows, and the producer
-fetches only those rows. A consumer waits for a stage, loads its packed bytes with
+the tile's NARROW up to BM) that holds the block's rows, and the producer fetches only those
+rows. A consumer waits for a stage, loads its packed bytes with
 one 8-byte shared-memory load per thread and row (byte_layout: 8 consecutive bytes, 16
 weights, all of one 32-value scale group, so one scale per row and step), converts each
 4-byte word with 15 instructions (_WORD_PTX: nibble to bf16 under the exponent of 128, minus
@@ -84,17 +83,14 @@ PATH_NAME = "gluon-hopper-ws"
 # 128 x producer within the SM's 65536); NARROW (a power of two, 0: off) the narrowest MMA:
 # a block's MMAs are as wide as its rows used, rounded up to NARROW, 2 NARROW, ... BM, and only
 # those rows are fetched (an expert's last block is mostly partly full: kimi-k2.6 M=8192, 171
-# slots per expert, takes 128 + 64 instead of 256 MMA columns; PERFORMANCE.md, round 23); MID
-# (with NARROW <= BM / 4) adds the width 3 BM / 4 (a BM / 2 and a BM / 4 wide accumulator pair on
-# the same converted weights): at 64-85 slots per expert most blocks hold 65-96 rows and took
-# 128 columns (kimi-k2.6 M=3072 / 4096 forward 5.0 / 6.6% faster, PERFORMANCE.md round 25).
+# slots per expert, takes 128 + 64 instead of 256 MMA columns; PERFORMANCE.md, round 23).
 TILES_BM64 = {
     "g1": dict(bm=64, bnc=64, stages=4),
     "g2": dict(bm=64, bnc=128, stages=4),
 }
 TILES_BM128 = {
-    "g1": dict(bm=128, bnc=64, stages=4, narrow=32, mid=True),
-    "g2": dict(bm=128, bnc=128, stages=4, narrow=32, mid=True),
+    "g1": dict(bm=128, bnc=64, stages=4, narrow=32),
+    "g2": dict(bm=128, bnc=128, stages=4, narrow=32),
 }
 # Tiles by slots per expert (M x topk / experts of the layer): (up to this many, tiles), the
 # last row without a bound. 128 sorted rows per block from where the experts' blocks are full
@@ -346,46 +342,35 @@ def _define_kernels():
 
     @gluon.jit
     def _producer(x_desc, x_desc2, x_desc4, w_desc, x_bufs, w_bufs, ready, empty, row0, rows_used, wrow_g, wrow_u,
-                  num_k, BM: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr, NARROW: gl.constexpr,
-                  MID: gl.constexpr):
+                  num_k, BM: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr, NARROW: gl.constexpr):
         """The copy-engine loads; of the activations only the rows the consumers' MMAs read (the
-        width _consumer picks: x_desc2 and x_desc4 fetch BM / 2 and BM / 4 rows; MID: 3 BM / 4 as
-        the two, one after the other)."""
+        width _consumer picks: x_desc2 and x_desc4 fetch BM / 2 and BM / 4 rows)."""
         if (NARROW > 0) & (NARROW <= BM // 4):
             if rows_used <= BM // 4:
-                _produce(x_desc4, x_desc4, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k,
-                         BM // 4, 0, GATE_UP, STAGES)
-            elif rows_used <= BM // 2:
-                _produce(x_desc2, x_desc2, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k,
-                         BM // 2, 0, GATE_UP, STAGES)
-            elif MID:
-                if rows_used <= 3 * BM // 4:
-                    _produce(x_desc2, x_desc4, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k,
-                             BM // 2, BM // 4, GATE_UP, STAGES)
-                else:
-                    _produce(x_desc, x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM,
-                             0, GATE_UP, STAGES)
-            else:
-                _produce(x_desc, x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM, 0,
+                _produce(x_desc4, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM // 4,
                          GATE_UP, STAGES)
+            elif rows_used <= BM // 2:
+                _produce(x_desc2, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM // 2,
+                         GATE_UP, STAGES)
+            else:
+                _produce(x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM, GATE_UP,
+                         STAGES)
         elif (NARROW > 0) & (NARROW <= BM // 2):
             if rows_used <= BM // 2:
-                _produce(x_desc2, x_desc2, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k,
-                         BM // 2, 0, GATE_UP, STAGES)
-            else:
-                _produce(x_desc, x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM, 0,
+                _produce(x_desc2, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM // 2,
                          GATE_UP, STAGES)
+            else:
+                _produce(x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM, GATE_UP,
+                         STAGES)
         else:
-            _produce(x_desc, x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM, 0,
-                     GATE_UP, STAGES)
+            _produce(x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM, GATE_UP, STAGES)
 
     @gluon.jit
-    def _produce(x_desc, x_desc_b, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k,
-                 NE: gl.constexpr, NE2: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr):
+    def _produce(x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, NE: gl.constexpr,
+                 GATE_UP: gl.constexpr, STAGES: gl.constexpr):
         """Each K step's loads: the rows' two 32-value halves (x_desc's NE rows into the first NE
-        rows of the stage, and where NE2 > 0 x_desc_b's NE2 rows after them) and the packed
-        weight tiles, completing on the stage's `ready`."""
-        X_BYTES: gl.constexpr = x_desc.block_type.nbytes + (x_desc_b.block_type.nbytes if NE2 > 0 else 0)
+        rows of the stage) and the packed weight tiles, completing on the stage's `ready`."""
+        X_BYTES: gl.constexpr = x_desc.block_type.nbytes
         W_BYTES: gl.constexpr = w_desc.block_type.nbytes
         W_COPIES: gl.constexpr = 2 if GATE_UP else 1
         NBYTES: gl.constexpr = 2 * X_BYTES + W_COPIES * W_BYTES
@@ -397,36 +382,22 @@ def _define_kernels():
             mbarrier.expect(bar, NBYTES)
             _tma_load(x_desc, [row0, i * 64], bar, x_bufs.index(2 * s).slice(0, NE, 0))
             _tma_load(x_desc, [row0, i * 64 + 32], bar, x_bufs.index(2 * s + 1).slice(0, NE, 0))
-            if NE2 > 0:
-                _tma_load(x_desc_b, [row0 + NE, i * 64], bar, x_bufs.index(2 * s).slice(NE, NE2, 0))
-                _tma_load(x_desc_b, [row0 + NE, i * 64 + 32], bar, x_bufs.index(2 * s + 1).slice(NE, NE2, 0))
             _tma_load(w_desc, [wrow_g, i * 32, 0], bar, w_bufs.index(2 * s))
             if GATE_UP:
                 _tma_load(w_desc, [wrow_u, i * 32, 0], bar, w_bufs.index(2 * s + 1))
 
     @gluon.jit
-    def _mmas(wl, wh, ul, uh, acc_g, acc_u, acc_g2, acc_u2, x_bufs, i, STAGES: gl.constexpr, GATE_UP: gl.constexpr,
-              NE: gl.constexpr, NE2: gl.constexpr):
-        """Step i's MMAs (asynchronous) on the converted operands and the stage's first NE rows
-        (and, where NE2 > 0, the NE2 rows after them into the second accumulators: one converted
-        operand feeds both)."""
+    def _mmas(wl, wh, ul, uh, acc_g, acc_u, x_bufs, i, STAGES: gl.constexpr, GATE_UP: gl.constexpr, NE: gl.constexpr):
+        """Step i's MMAs (asynchronous) on the converted operands and the stage's first NE rows."""
         s = i % STAGES
         xl = x_bufs.index(2 * s).slice(0, NE, 0).permute((1, 0))
         xh = x_bufs.index(2 * s + 1).slice(0, NE, 0).permute((1, 0))
         acc_g = warpgroup_mma(wl, xl, acc_g, is_async=True)
         acc_g = warpgroup_mma(wh, xh, acc_g, is_async=True)
-        if NE2 > 0:
-            xl2 = x_bufs.index(2 * s).slice(NE, NE2, 0).permute((1, 0))
-            xh2 = x_bufs.index(2 * s + 1).slice(NE, NE2, 0).permute((1, 0))
-            acc_g2 = warpgroup_mma(wl, xl2, acc_g2, is_async=True)
-            acc_g2 = warpgroup_mma(wh, xh2, acc_g2, is_async=True)
         if GATE_UP:
             acc_u = warpgroup_mma(ul, xl, acc_u, is_async=True)
             acc_u = warpgroup_mma(uh, xh, acc_u, is_async=True)
-            if NE2 > 0:
-                acc_u2 = warpgroup_mma(ul, xl2, acc_u2, is_async=True)
-                acc_u2 = warpgroup_mma(uh, xh2, acc_u2, is_async=True)
-        return acc_g, acc_u, acc_g2, acc_u2
+        return acc_g, acc_u
 
     @gluon.jit
     def _weights(i, sg, su, w_bufs, ready, num_k, CID: gl.constexpr, BNC: gl.constexpr, GATE_UP: gl.constexpr,
@@ -458,85 +429,33 @@ def _define_kernels():
     def _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr, stride_om,
                   topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID: gl.constexpr, BM: gl.constexpr,
                   BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
-                  BYTE_L: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr):
+                  BYTE_L: gl.constexpr, NARROW: gl.constexpr):
         """A consumer's block: its MMAs as wide as the block's rows need. NARROW > 0 (a power of
         two): the rows used rounded up to NARROW, 2 NARROW, 4 NARROW, ... BM (a tensor's sizes
-        are powers of two), each width its own compiled body; MID (with NARROW <= BM / 4): also
-        3 BM / 4, as a BM / 2 and a BM / 4 wide accumulator on the same converted weights; 0:
-        always BM."""
+        are powers of two), each width its own compiled body; 0: always BM."""
         if NARROW == 0:
             _consume(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr, stride_om,
-                     topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID, BM, 0, BNC, GROUP, GATE_UP, STAGES,
+                     topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID, BM, BNC, GROUP, GATE_UP, STAGES,
                      BYTE_L)
         else:
-            MID_ON: gl.constexpr = MID & (NARROW <= BM // 4)
             for j in gl.static_range(BM.bit_length() - NARROW.bit_length() + 1):
-                # width NARROW << j from just over the width below it (with MID, the full width
-                # from just over 3 BM / 4)
-                if ((rows_used > ((3 * BM // 4) if (MID_ON & ((NARROW << j) == BM)) else (NARROW << j) // 2))
-                        | (j == 0)) & (rows_used <= (NARROW << j)):
+                if ((rows_used > (NARROW << j) // 2) | (j == 0)) & (rows_used <= (NARROW << j)):
                     _consume(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
-                             stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID, NARROW << j, 0,
-                             BNC, GROUP, GATE_UP, STAGES, BYTE_L)
-            if MID_ON:
-                if (rows_used > BM // 2) & (rows_used <= 3 * BM // 4):
-                    _consume(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
-                             stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID, BM // 2, BM // 4,
-                             BNC, GROUP, GATE_UP, STAGES, BYTE_L)
-
-    @gluon.jit
-    def _epilogue(acc_g, acc_u, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0,
-                  CID: gl.constexpr, BNC: gl.constexpr, NE: gl.constexpr, GATE_UP: gl.constexpr):
-        """An accumulator pair's NE rows (from row0 of the sorted rows; rows_used of them real)
-        stored: GEMM1 SiLU(gate) * up in GEMM2's operand order, GEMM2 times each slot's top-k
-        weight, per slot."""
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, NE, 16])
-        out_layout: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, 4], [0, 1])
-        offs_o = col0 + CID * BNC + gl.arange(0, BNC, layout=gl.SliceLayout(1, out_layout))
-        offs_m = gl.arange(0, NE, layout=gl.SliceLayout(0, out_layout))
-        row_ok = offs_m < rows_used
-        if GATE_UP:
-            h = acc_g * (1.0 / (1.0 + gl.exp(-acc_g))) * acc_u
-            h = gl.convert_layout(h.to(out_ptr.dtype.element_ty), out_layout)
-            rows = (row0 + offs_m).to(gl.int64)
-            # Stored in GEMM2's operand order (its K is this GEMM's N; operand_positions).
-            r = offs_o % 64
-            pos = (offs_o - r + 32 * ((r >> 4) & 1) + 16 * ((r >> 2) & 1) + 8 * (r & 1) + 4 * ((r >> 5) & 1)
-                   + 2 * ((r >> 3) & 1) + ((r >> 1) & 1))
-            gl.store(out_ptr + rows[None, :] * stride_om + pos[:, None], h, mask=row_ok[None, :])
-        else:
-            # Weighted and rounded in the accumulator's layout, so only bf16 values change layout
-            # (at BM 128, BNC 128 the float32 conversion would not fit the registers).
-            offs_w = gl.arange(0, NE, layout=gl.SliceLayout(0, mma_layout))
-            w_ok = offs_w < rows_used
-            weight = gl.load(topk_w_ptr + gl.load(sorted_slot_ptr + row0 + offs_w, mask=w_ok, other=0), mask=w_ok,
-                             other=0.0)
-            o = gl.convert_layout((acc_g * weight[None, :]).to(out_ptr.dtype.element_ty), out_layout)
-            slot = gl.load(sorted_slot_ptr + row0 + offs_m, mask=row_ok, other=0)
-            gl.store(out_ptr + slot.to(gl.int64)[None, :] * stride_om + offs_o[:, None], o, mask=row_ok[None, :])
+                             stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID, NARROW << j, BNC,
+                             GROUP, GATE_UP, STAGES, BYTE_L)
 
     @gluon.jit
     def _consume(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr, stride_om,
                  topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID: gl.constexpr, BM: gl.constexpr,
-                 BM2: gl.constexpr, BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr,
-                 STAGES: gl.constexpr, BYTE_L: gl.constexpr):
-        """The consumer's K loop and epilogue on the first BM rows of its block (the MMA's N), and
-        where BM2 > 0 on the BM2 rows after them too (a second pair of accumulators)."""
+                 BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
+                 BYTE_L: gl.constexpr):
+        """The consumer's K loop and epilogue on the first BM rows of its block (the MMA's N)."""
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BM, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
         s_layout: gl.constexpr = gl.SliceLayout(2, BYTE_L)
-        # (BM2 == 0: the second pair is a placeholder no MMA touches.)
-        BM2_ALLOC: gl.constexpr = BM2 if BM2 > 0 else 8
-        mma_layout2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                              instr_shape=[16, BM2_ALLOC, 16])
-        # Each warpgroup_mma is one commit group: a step's count.
-        GROUPS: gl.constexpr = (2 if GATE_UP else 1) * (4 if BM2 > 0 else 2)
         acc_g = gl.zeros([BNC, BM], gl.float32, mma_layout)
         acc_u = gl.zeros([BNC, BM], gl.float32, mma_layout)
-        acc_g2 = gl.zeros([BNC, BM2_ALLOC], gl.float32, mma_layout2)
-        acc_u2 = gl.zeros([BNC, BM2_ALLOC], gl.float32, mma_layout2)
         offs_n = CID * BNC + gl.arange(0, BNC, layout=gl.SliceLayout(1, s_layout))
         offs_c = gl.arange(0, 2, layout=gl.SliceLayout(0, s_layout))
         # Software-pipelined two steps at a time: step i's MMAs run while step i + 1's weights
@@ -550,74 +469,74 @@ def _define_kernels():
         sg1, su1 = _scales(1, s_ptr, s_base_g, s_base_u, stride_sg, offs_n, offs_c, num_k, GROUP, GATE_UP)
         sg2, su2 = _scales(2, s_ptr, s_base_g, s_base_u, stride_sg, offs_n, offs_c, num_k, GROUP, GATE_UP)
         for i in range(0, num_k, 2):  # (num_k is even: shape_unavailable_reason)
-            acc_g, acc_u, acc_g2, acc_u2 = _mmas(wl, wh, ul, uh, acc_g, acc_u, acc_g2, acc_u2, x_bufs, i, STAGES,
-                                                 GATE_UP, BM, BM2)
+            acc_g, acc_u = _mmas(wl, wh, ul, uh, acc_g, acc_u, x_bufs, i, STAGES, GATE_UP, BM)
             nl, nh, ml, mh = _weights(i + 1, sg1, su1, w_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES, BYTE_L,
                                       a_layout)
             sg1, su1 = _scales(i + 3, s_ptr, s_base_g, s_base_u, stride_sg, offs_n, offs_c, num_k, GROUP, GATE_UP)
-            acc_g, acc_u, acc_g2, acc_u2 = _mmas(nl, nh, ml, mh, acc_g, acc_u, acc_g2, acc_u2, x_bufs, i + 1, STAGES,
-                                                 GATE_UP, BM, BM2)
-            # Step i + 1's commit groups stay outstanding.
+            acc_g, acc_u = _mmas(nl, nh, ml, mh, acc_g, acc_u, x_bufs, i + 1, STAGES, GATE_UP, BM)
+            # Each warpgroup_mma is one commit group: step i + 1's (four, GEMM2 two) stay outstanding.
             if GATE_UP:
-                if BM2 > 0:
-                    acc_g, acc_u, acc_g2, acc_u2, wl, wh, ul, uh = warpgroup_mma_wait(
-                        num_outstanding=GROUPS, deps=(acc_g, acc_u, acc_g2, acc_u2, wl, wh, ul, uh))
-                else:
-                    acc_g, acc_u, wl, wh, ul, uh = warpgroup_mma_wait(num_outstanding=GROUPS,
-                                                                      deps=(acc_g, acc_u, wl, wh, ul, uh))
+                acc_g, acc_u, wl, wh, ul, uh = warpgroup_mma_wait(num_outstanding=4, deps=(acc_g, acc_u, wl, wh, ul, uh))
             else:
-                if BM2 > 0:
-                    acc_g, acc_g2, wl, wh = warpgroup_mma_wait(num_outstanding=GROUPS, deps=(acc_g, acc_g2, wl, wh))
-                else:
-                    acc_g, wl, wh = warpgroup_mma_wait(num_outstanding=GROUPS, deps=(acc_g, wl, wh))
+                acc_g, wl, wh = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, wl, wh))
             mbarrier.arrive(empty.index(i % STAGES), count=1)
             wl, wh, ul, uh = _weights(i + 2, sg2, su2, w_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES, BYTE_L,
                                       a_layout)
             sg2, su2 = _scales(i + 4, s_ptr, s_base_g, s_base_u, stride_sg, offs_n, offs_c, num_k, GROUP, GATE_UP)
             if GATE_UP:
-                if BM2 > 0:
-                    acc_g, acc_u, acc_g2, acc_u2, nl, nh, ml, mh = warpgroup_mma_wait(
-                        num_outstanding=0, deps=(acc_g, acc_u, acc_g2, acc_u2, nl, nh, ml, mh))
-                else:
-                    acc_g, acc_u, nl, nh, ml, mh = warpgroup_mma_wait(num_outstanding=0,
-                                                                      deps=(acc_g, acc_u, nl, nh, ml, mh))
+                acc_g, acc_u, nl, nh, ml, mh = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u, nl, nh, ml, mh))
             else:
-                if BM2 > 0:
-                    acc_g, acc_g2, nl, nh = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_g2, nl, nh))
-                else:
-                    acc_g, nl, nh = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, nl, nh))
+                acc_g, nl, nh = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, nl, nh))
             mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
 
-        _epilogue(acc_g, acc_u, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID, BNC, BM,
-                  GATE_UP)
-        if BM2 > 0:
-            _epilogue(acc_g2, acc_u2, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr, row0 + BM, rows_used - BM,
-                      col0, CID, BNC, BM2, GATE_UP)
+        out_layout: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, 4], [0, 1])
+        offs_o = col0 + CID * BNC + gl.arange(0, BNC, layout=gl.SliceLayout(1, out_layout))
+        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
+        row_ok = offs_m < rows_used
+        if GATE_UP:
+            h = acc_g * (1.0 / (1.0 + gl.exp(-acc_g))) * acc_u
+            h = gl.convert_layout(h.to(out_ptr.dtype.element_ty), out_layout)
+            rows = (row0 + offs_m).to(gl.int64)
+            # Stored in GEMM2's operand order (its K is this GEMM's N; operand_positions).
+            r = offs_o % 64
+            pos = (offs_o - r + 32 * ((r >> 4) & 1) + 16 * ((r >> 2) & 1) + 8 * (r & 1) + 4 * ((r >> 5) & 1)
+                   + 2 * ((r >> 3) & 1) + ((r >> 1) & 1))
+            gl.store(out_ptr + rows[None, :] * stride_om + pos[:, None], h, mask=row_ok[None, :])
+        else:
+            # Weighted and rounded in the accumulator's layout, so only bf16 values change layout
+            # (at BM 128, BNC 128 the float32 conversion would not fit the registers).
+            offs_w = gl.arange(0, BM, layout=gl.SliceLayout(0, mma_layout))
+            w_ok = offs_w < rows_used
+            weight = gl.load(topk_w_ptr + gl.load(sorted_slot_ptr + row0 + offs_w, mask=w_ok, other=0), mask=w_ok,
+                             other=0.0)
+            o = gl.convert_layout((acc_g * weight[None, :]).to(out_ptr.dtype.element_ty), out_layout)
+            slot = gl.load(sorted_slot_ptr + row0 + offs_m, mask=row_ok, other=0)
+            gl.store(out_ptr + slot.to(gl.int64)[None, :] * stride_om + offs_o[:, None], o, mask=row_ok[None, :])
 
     @gluon.jit
     def _consumer_0(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
                     stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM: gl.constexpr,
                     BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
-                    BYTE_L: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr):
+                    BYTE_L: gl.constexpr, NARROW: gl.constexpr):
         _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
                   stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, 0, BM, BNC, GROUP,
-                  GATE_UP, STAGES, BYTE_L, NARROW, MID)
+                  GATE_UP, STAGES, BYTE_L, NARROW)
 
     @gluon.jit
     def _consumer_1(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
                     stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM: gl.constexpr,
                     BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
-                    BYTE_L: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr):
+                    BYTE_L: gl.constexpr, NARROW: gl.constexpr):
         _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
                   stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, 1, BM, BNC, GROUP,
-                  GATE_UP, STAGES, BYTE_L, NARROW, MID)
+                  GATE_UP, STAGES, BYTE_L, NARROW)
 
     @gluon.jit
     def _ws_gemm_kernel(x_desc, x_desc2, x_desc4, w_desc, s_ptr, out_ptr, topk_w_ptr, sorted_slot_ptr, block_expert_ptr, block_rows_ptr,
                         K, N, stride_se, stride_sg, stride_om, w_row_groups,
                         BM: gl.constexpr, BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr,
                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                        BYTE_L: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr):
+                        BYTE_L: gl.constexpr, NARROW: gl.constexpr):
         """One block of BM sorted rows x 2 * BNC output columns (GEMM1: gate and up of each);
         see the module docstring."""
         BNH: gl.constexpr = 2 * BNC
@@ -646,12 +565,12 @@ def _define_kernels():
             gl.warp_specialize([
                 (_consumer_0, (x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
                                 stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM, BNC, GROUP,
-                                GATE_UP, STAGES, BYTE_L, NARROW, MID)),
+                                GATE_UP, STAGES, BYTE_L, NARROW)),
                 (_consumer_1, (x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
                                 stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM, BNC, GROUP,
-                                GATE_UP, STAGES, BYTE_L, NARROW, MID)),
+                                GATE_UP, STAGES, BYTE_L, NARROW)),
                 (_producer, (x_desc, x_desc2, x_desc4, w_desc, x_bufs, w_bufs, ready, empty, row0, rows_used, wrow_g,
-                             wrow_u, num_k, BM, GATE_UP, STAGES, NARROW, MID)),
+                             wrow_u, num_k, BM, GATE_UP, STAGES, NARROW)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -752,9 +671,6 @@ class GluonHopperPath:
             narrow = tiles[which].get("narrow", 0)
             if narrow and (narrow & (narrow - 1) or narrow > bm):
                 raise ValueError(f"{which}'s narrow {narrow} is not 0 or a power of two up to bm {bm}")
-            if tiles[which].get("mid") and not (narrow and narrow <= bm // 4):
-                raise ValueError(f"{which}'s mid (the 3 bm / 4 wide body) needs a narrow of at most bm / 4 = {bm // 4}, "
-                                 f"not {narrow}")
         padded = tm._padded_rows(shape, m, bm)
         blocks = triton.cdiv(padded, bm)
         if padded > min(moe._max_padded, self.max_padded) or blocks > self.block_expert.numel():
@@ -784,7 +700,6 @@ class GluonHopperPath:
                 k, n, w.scales.stride(0), w.scales.stride(1), out.stride(0), w.packed.shape[1],
                 BM=bm, BNC=tile["bnc"], GROUP=shape.group_size, GATE_UP=which == "g1", STAGES=tile["stages"],
                 CONSUMER_REGS=tile.get("consumer_regs", 232), PRODUCER_REGS=tile.get("producer_regs", 40),
-                BYTE_L=byte_layout(tile["bnc"]), NARROW=tile.get("narrow", 0), MID=bool(tile.get("mid", False)),
-                num_warps=4)
+                BYTE_L=byte_layout(tile["bnc"]), NARROW=tile.get("narrow", 0), num_warps=4)
         moe._g2_split = 1
         return moe.topk_sum(x) if "sum" in stages else None

@@ -78,15 +78,11 @@ def test_selection_by_slots_per_expert_and_by_the_switch():
 
 def test_narrowed_tiles_are_checked_before_any_launch():
     assert gluon_moe.TILES_BM128["g1"]["narrow"] == 32 and gluon_moe.TILES_BM128["g2"]["narrow"] == 32
-    assert gluon_moe.TILES_BM128["g1"]["mid"] and gluon_moe.TILES_BM128["g2"]["mid"]  # the 96-wide body
     path = gluon_moe.GluonHopperPath.__new__(gluon_moe.GluonHopperPath)
     path.moe = type("M", (), {"shape": SMALL})()
     bad = {"g1": dict(gluon_moe.TILES_BM128["g1"], narrow=48), "g2": gluon_moe.TILES_BM128["g2"]}
     x = torch.zeros((4, SMALL.hidden), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="narrow 48 is not 0 or a power of two"):
-        path.forward(x, None, None, tiles=bad)
-    bad = {"g1": gluon_moe.TILES_BM128["g1"], "g2": dict(gluon_moe.TILES_BM128["g2"], narrow=64)}
-    with pytest.raises(ValueError, match="g2's mid .* needs a narrow of at most bm / 4 = 32, not 64"):
         path.forward(x, None, None, tiles=bad)
 
 
@@ -204,13 +200,12 @@ def test_asked_off_by_the_caller():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
                     or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
                     reason="needs an sm_90 GPU and compiled kernels (TRITON_INTERPRET=0)")
-# 24, 50, 75, 88 and 150 slots per expert: both tile sets, and bm128's blocks at MMA widths 64
-# (50), 96 (a 64- and a 32-wide accumulator: most blocks at 75 and 88), 128 (the blocks over 96
-# rows at 88) and 128 with 32 in each expert's last block (150); and a layer whose K loops lap
-# the ring of stages many times (GEMM1 32 steps, GEMM2 16: each stage refilled while the
-# consumers' MMAs of the steps before it are still queued).
-@pytest.mark.parametrize("m,hidden,inter", [(96, 512, 256), (200, 512, 256), (300, 512, 256), (352, 512, 256),
-                                            (600, 512, 256), (300, 2048, 1024)])
+# 24, 50, 75 and 150 slots per expert: both tile sets, and bm128's blocks at MMA widths 64 (50),
+# 128 (75) and 128 with 32 in each expert's last block (150); and a layer whose K loops lap the
+# ring of stages many times (GEMM1 32 steps, GEMM2 16: each stage refilled while the consumers'
+# MMAs of the steps before it are still queued).
+@pytest.mark.parametrize("m,hidden,inter", [(96, 512, 256), (200, 512, 256), (300, 512, 256), (600, 512, 256),
+                                            (300, 2048, 1024)])
 def test_gluon_kernels_on_the_gpu(m, hidden, inter, monkeypatch):
     monkeypatch.setenv("MOE_BENCH_GLUON", "force")
     shape = quant.MoEShape(experts=8, hidden=hidden, inter=inter, topk=2, group_size=32)
