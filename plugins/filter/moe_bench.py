@@ -45,6 +45,13 @@ VARIABLE_OF = {
 TIMESPAN_UNITS = {"us": 1e-6, "usec": 1e-6, "ms": 1e-3, "msec": 1e-3, "s": 1, "sec": 1, "min": 60,
                   "h": 3600, "hr": 3600, "d": 86400, "w": 604800}
 M_MAX = 65536
+# Ansible's async wrapper looks at its job's time limit every 5 s and writes the job's final record
+# 1 s after the kill: a job at its limit reads as ended up to 6 s after the limit.
+ASYNC_KILL_SLACK_S = 6
+# Before the unit starts, whatever of the benchmark outlived its job is stopped: SIGTERM, this
+# grace, SIGKILL, then this wait for it to be gone (service_recover, through the payload_stop module).
+PAYLOAD_TERM_GRACE_S = 10
+PAYLOAD_KILL_WAIT_S = 10
 RUN_ID_PATTERN = re.compile(r"^\d{8}T\d{6}Z-[0-9a-f]{6}$")
 
 
@@ -225,11 +232,13 @@ def moe_bench_plan(settings, now_epoch=None):
     stop_wait_s = int(math.ceil(stop_s + value["stop_margin_s"]))
     vram_total_s = int(math.ceil(value["vram_wait_s"] * value["vram_waits"]))
     epoch = time.time() if now_epoch is None else float(_number("now_epoch", now_epoch))
-    # Downtime: from the stop to the first healthy answer, each part at its limit.
+    # Downtime: from the stop to the first healthy answer, each part at its limit (the benchmark's
+    # limit with the wrapper's lag past it and the stop of a payload that outlived its job).
     planned_downtime_s = int(math.ceil(
         stop_wait_s
         + vram_total_s
-        + async_limit_s + value["poll_interval_s"]
+        + async_limit_s + ASYNC_KILL_SLACK_S + value["poll_interval_s"]
+        + PAYLOAD_TERM_GRACE_S + PAYLOAD_KILL_WAIT_S
         + value["load_budget_s"] + value["health_poll_s"]))
     # The dead-man switch must never fire inside a legitimate run: the settle period after the
     # first healthy answer still belongs to the run.
@@ -252,7 +261,11 @@ def moe_bench_plan(settings, now_epoch=None):
         "started_at": _iso(epoch),
         "bench_total_s": bench_total_s,
         "async_limit_s": async_limit_s,
-        "poll_retries": _retries(async_limit_s, value["poll_interval_s"]),
+        # The polls cover the limit and the wrapper's lag past it, so a job killed at its limit
+        # is reported as such (not as still running when the polls run out).
+        "poll_retries": _retries(async_limit_s + ASYNC_KILL_SLACK_S, value["poll_interval_s"]),
+        "payload_term_grace_s": PAYLOAD_TERM_GRACE_S,
+        "payload_kill_wait_s": PAYLOAD_KILL_WAIT_S,
         "health_retries": _retries(value["load_budget_s"], value["health_poll_s"]),
         "vram_retries": _retries(value["vram_wait_s"], value["vram_interval_s"]),
         "unit_stop_timeout_s": unit_stop_s,

@@ -504,6 +504,27 @@ def fetched_run_dirs(results_dir, host):
     return sorted(path for path in base.iterdir() if path.is_dir()) if base.exists() else []
 
 
+def unit_stays_down_while_payloads_run(host, pids=None, interval=0.2):
+    """Sample until no payload (of pids, when given) runs; fail when the unit was up while one ran.
+
+    Each sample reads the unit first and the payloads after it: a unit seen active before a payload
+    seen still running is an overlap that really happened, not two reads racing the run's progress.
+    Returns the number of samples taken while a payload ran."""
+    samples = 0
+    while True:
+        state = host.unit_active()
+        running = set(host.payload_pids())
+        if pids is not None:
+            running &= set(pids)
+        if not running:
+            return samples
+        assert state not in ("active", "activating", "reloading"), \
+            "the unit %s was %s while benchmark payload(s) %s still ran on %s: %s" % (
+                UNIT, state, sorted(running), host.name, host.unit_show())
+        samples += 1
+        time.sleep(interval)
+
+
 def wait_until(predicate, timeout, interval=0.5, what="condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -1,10 +1,11 @@
 """The benchmark fails (raises, is killed, runs past its budget): the service comes back, the
-failure message carries the exit code and the log's tail, and the finished M values are fetched."""
+failure message carries the exit code and the log's tail, and the finished M values are fetched.
+A payload that outlives its job is stopped before the unit starts."""
 
 import json
 import re
 
-from conftest import LONG_M_LIST, STATE_DIR, fetched_run_dirs, wait_until
+from conftest import LONG_M_LIST, STATE_DIR, fetched_run_dirs, unit_stays_down_while_payloads_run, wait_until
 
 
 def assert_service_restored(host):
@@ -93,3 +94,51 @@ def test_payload_past_its_budget_is_stopped_and_service_restored(simhost, run_pl
         assert results["status"] != "complete", results["status"]
         assert len(results["results"]) < len(LONG_M_LIST.split(","))
     assert "complete:" not in (run_dir / "bench.log").read_text()
+
+
+def test_payloads_that_outlive_their_job_are_stopped_before_the_unit_starts(simhost, start_playbook, results_dir):
+    # Two GPUs at once: one shell runs both payloads and waits for them. SIGKILL of that shell ends
+    # the async job (its exit code -9) while both payloads keep running, orphaned, on their GPUs -
+    # as a payload outside the async wrapper's process group outlives the kill at the time limit.
+    run = start_playbook(simhost, {"moe_bench_m_list": LONG_M_LIST, "moe_bench_gpus": [0, 1],
+                                   "moe_bench_gpu_parallel": True})
+
+    def both_payloads_measuring():
+        if run.proc.poll() is not None:
+            raise AssertionError("the run ended before its payloads ran:\n%s" % run.stdout_so_far()[-6000:])
+        pids = simhost.payload_pids()
+        shells = {simhost.exec("ps -o ppid= -p %d" % pid, check=False).stdout.strip() for pid in pids}
+        if len(pids) != 2 or len(shells) != 1 or "" in shells:
+            return None
+        # Each has measured an M (its results file exists): what is stopped later has figures to keep.
+        for run_id in simhost.run_ids():
+            docs = [simhost.read_json("%s/runs/%s/%s" % (STATE_DIR, run_id, name))
+                    for name in ("results.json", "gpu1/results.json")]
+            if all(doc and doc.get("results") for doc in docs):
+                return pids, shells
+        return None
+
+    pids, (shell,) = wait_until(both_payloads_measuring, timeout=400, interval=0.5, what="both payloads running")
+    assert "rc=0" in simhost.exec("ps -o args= -p %s" % shell).stdout, "the parent is not the job's shell"
+    simhost.exec("kill -9 %s" % shell)
+    # The job has ended; its payloads still run. Until they are gone the unit must stay down.
+    samples = unit_stays_down_while_payloads_run(simhost, pids)
+    assert samples >= 1, "the payloads ended with their shell: nothing under test"
+    result = run.wait(timeout=400)
+    text = " ".join(result.stdout.split())
+    assert result.rc != 0, result.describe()
+    assert "The benchmark failed on %s" % simhost.name in text, result.describe()
+    assert re.search(r"exit code (-9|137)", text), result.describe()
+    assert re.search(r"%s: 2 benchmark process\(es\) still ran from \S+ after the benchmark job ended \(pids %s\); "
+                     r"stopped them before starting" % (re.escape(simhost.name), ", ".join(map(str, sorted(pids)))),
+                     text), result.describe()
+    assert "2 by SIGTERM" in text, result.describe()
+    assert not set(simhost.payload_pids()) & set(pids)
+    assert_service_restored(simhost)
+    # What each payload measured is kept: SIGTERM reached it, and it recorded the stop.
+    (run_dir,) = fetched_run_dirs(results_dir, simhost)
+    for gpu_results in (run_dir / "results.json", run_dir / "gpu1" / "results.json"):
+        assert gpu_results.exists(), sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+        doc = json.loads(gpu_results.read_text())
+        assert doc["results"], "the measured figures were lost"
+        assert doc["status"] == "failed" and "SIGTERM" in json.dumps(doc["error"]), doc.get("error")

@@ -77,8 +77,9 @@ def test_killed_controller_rerun_reattaches_to_the_same_job(simhost, start_playb
 
 def test_controller_that_never_returns_is_covered_by_the_deadman_timer(simhost, start_playbook, run_playbook):
     # Deadline = stop (the unit's own TimeoutStopSec 30 s beats the planned 5 s) + stop margin 15
-    # + memory wait 5 + async limit 60 + one bench poll 1 + load 5 + one health poll 1 + settle 2,
-    # margin 0: the dead-man timer fires 119 s after it is armed.
+    # + memory wait 5 + async limit 60 + the async wrapper's lag past it 6 + one bench poll 1
+    # + the stop of a payload that outlived its job 10 + 10 + load 5 + one health poll 1 + settle 2,
+    # margin 0: the dead-man timer fires 145 s after it is armed.
     budgets = {"moe_bench_m_list": LONG_M_LIST, "moe_bench_stop_timeout_s": 5, "moe_bench_vram_timeout_s": 5,
                "moe_bench_bench_budget_s": 60, "moe_bench_async_margin_s": 0, "moe_bench_load_budget_s": 5,
                "moe_bench_deadman_margin_s": 0, "moe_bench_bench_poll_s": 1}
@@ -91,7 +92,7 @@ def test_controller_that_never_returns_is_covered_by_the_deadman_timer(simhost, 
     assert simhost.unit_active() in ("inactive", "failed")
     deadman = simhost.read_json("%s/runs/%s/deadman.json" % (STATE_DIR, run_id))
     assert deadman and str(deadman["armed"]).lower() == "true", deadman
-    assert int(deadman["delay_s"]) == 30 + 15 + 5 + 60 + 1 + 5 + 1 + 2, deadman
+    assert int(deadman["delay_s"]) == 30 + 15 + 5 + 60 + 6 + 1 + 10 + 10 + 5 + 1 + 2, deadman
     assert simhost.timer_loaded()
     deadline = int(deadman["deadline_epoch"])
 

@@ -7,9 +7,8 @@ budget used up to its limit (the benchmark killed at its time limit)."""
 
 import json
 import re
-import time
 
-from conftest import DEADMAN_TIMER, LONG_M_LIST, STATE_DIR, fetched_run_dirs, wait_until
+from conftest import DEADMAN_TIMER, LONG_M_LIST, STATE_DIR, fetched_run_dirs, unit_stays_down_while_payloads_run, wait_until
 
 DEADMAN_SERVICE = DEADMAN_TIMER.replace(".timer", ".service")
 
@@ -44,12 +43,7 @@ def test_slow_stop_and_every_budget_at_its_limit_never_fire_the_timer(simhost, s
                    for rid in simhost.run_ids()) and simhost.payload_pids()
 
     wait_until(job_started, timeout=300, interval=0.5, what="benchmark job started")
-    samples = 0
-    while simhost.payload_pids():
-        assert simhost.unit_active() not in ("active", "activating"), \
-            "the unit was started while the benchmark ran: %s" % simhost.unit_show()
-        samples += 1
-        time.sleep(0.5)
+    samples = unit_stays_down_while_payloads_run(simhost, interval=0.5)
     assert samples >= 10, "the benchmark ran for %d samples only: it did not use its budget" % samples
     result = run.wait(timeout=300)
     text = " ".join(result.stdout.split())

@@ -306,7 +306,7 @@ def test_real_async_job_polled_with_progress_callback(tmp_path):
     assert slow["exit_code"] is None and slow["job_msg"] == "Timeout exceeded"
 
     assert results["missing"]["job_missing"] is True and results["missing"]["finished"] is True
-    assert results["plan"]["async_limit_s"] == 70 and results["plan"]["poll_retries"] == 71
+    assert results["plan"]["async_limit_s"] == 70 and results["plan"]["poll_retries"] == 77  # ceil((70 + 6) / 1) + 1
 
 
 def test_long_poll_returns_as_soon_as_the_job_ends(job):

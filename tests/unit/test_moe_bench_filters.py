@@ -31,13 +31,16 @@ def plan(**changes):
 def test_plan_arithmetic():
     result = plan()
     assert result["async_limit_s"] == 720
-    assert result["poll_retries"] == 73          # ceil(720 / 10) + 1
+    assert result["poll_retries"] == 74          # ceil((720 + 6) / 10) + 1: the limit and the wrapper's lag
     assert result["health_retries"] == 61        # ceil(900 / 15) + 1
     assert result["vram_retries"] == 25          # ceil(120 / 5) + 1
-    # stop 90 + memory 120 + async limit 720 + one bench poll 10 + load 900 + one health poll 15
-    assert result["planned_downtime_s"] == 90 + 120 + 720 + 10 + 900 + 15
-    assert result["deadman_delay_s"] == 1855 + 600
-    assert result["lock_ttl_s"] == 2455 + 300
+    # stop 90 + memory 120 + async limit 720 + the wrapper's lag past it 6 + one bench poll 10
+    # + the stop of a payload that outlived its job (SIGTERM grace 10, SIGKILL wait 10)
+    # + load 900 + one health poll 15
+    assert result["planned_downtime_s"] == 90 + 120 + 720 + 6 + 10 + 10 + 10 + 900 + 15
+    assert result["payload_term_grace_s"] == 10 and result["payload_kill_wait_s"] == 10
+    assert result["deadman_delay_s"] == 1881 + 600
+    assert result["lock_ttl_s"] == 2481 + 300
     assert result["stop_s"] == 90 and result["stop_wait_s"] == 90
     assert result["stop_corrected_from_unit"] is False
     assert result["started_at"] == "2026-11-29T18:00:00Z"
@@ -54,7 +57,7 @@ def test_deadline_covers_the_longest_legitimate_run():
     assert result["stop_corrected_from_unit"] is True
     assert result["stop_s"] == 300 and result["stop_wait_s"] == 330
     assert result["vram_total_s"] == 2 * 120
-    longest_run = (300 + 30) + 2 * 120 + (600 + 120) + 10 + 900 + 15 + 30
+    longest_run = (300 + 30) + 2 * 120 + (600 + 120) + 6 + 10 + (10 + 10) + 900 + 15 + 30
     assert result["deadman_delay_s"] == longest_run + 600
     # Every part at its limit still ends before the timer (the margin 0 is the tightest case).
     tight = plan(unit_stop_timeout_s="5min", stop_margin_s=30, vram_waits=2, settle_s=30, deadman_margin_s=0)
@@ -106,7 +109,7 @@ def test_plan_rounds_up_and_accepts_strings():
     result = plan(bench_budget_s="100.5", poll_interval_s="7", async_margin_s="0", health_poll_s=2.5,
                   load_budget_s=10)
     assert result["async_limit_s"] == 101
-    assert result["poll_retries"] == 16          # ceil(101 / 7) + 1
+    assert result["poll_retries"] == 17          # ceil((101 + 6) / 7) + 1
     assert result["health_retries"] == 5         # ceil(10 / 2.5) + 1
     assert result["bench_budget_s"] == 100.5 and result["poll_interval_s"] == 7
     assert isinstance(result["poll_interval_s"], int)
@@ -115,8 +118,9 @@ def test_plan_rounds_up_and_accepts_strings():
 def test_plan_retries_cover_the_budget():
     for budget, interval in [(60, 7), (61, 10), (1, 1), (3600, 30)]:
         result = plan(bench_budget_s=budget, async_margin_s=0, poll_interval_s=interval)
-        # The loop's (retries - 1) pauses must last at least the async limit.
-        assert (result["poll_retries"] - 1) * interval >= result["async_limit_s"]
+        # The loop's (retries - 1) pauses must last at least the async limit and the wrapper's
+        # lag past it (it looks every 5 s, and writes the record 1 s after the kill).
+        assert (result["poll_retries"] - 1) * interval >= result["async_limit_s"] + 6
 
 
 def test_run_ids_differ_between_plans():
