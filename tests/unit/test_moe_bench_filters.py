@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 import pytest
 from ansible.errors import AnsibleFilterError
 
-from moe_bench_testlib import load_source
+from moe_bench_testlib import REPO, load_source
 
 filters = load_source("moe_bench_filters", "plugins/filter/moe_bench.py")
 
@@ -325,3 +325,14 @@ def test_always_stops_never_does_not_and_a_reattached_run_already_stopped():
     never = moe_bench_stop_decision("never", GPUS, [0], 10 ** 9)
     assert (never["stop"], never["beside"]) == (False, False) and "only the rehearsal ran" in never["why"]
     assert moe_bench_stop_decision("auto", GPUS, [0], 1, reattach=True)["stop"] is True
+
+
+def test_the_payload_stop_the_deadline_covers_is_the_one_the_recovery_runs_by_default():
+    # The plan's deadline counts the stop of a payload that outlived its job; service_recover's own
+    # defaults (the recovery playbook's plan has no deadline) must not run a longer one.
+    import yaml
+
+    defaults = yaml.safe_load((REPO / "roles/service_recover/defaults/main.yml").read_text())
+    result = plan()
+    assert defaults["service_recover_payload_term_grace_s"] == result["payload_term_grace_s"]
+    assert defaults["service_recover_payload_kill_wait_s"] == result["payload_kill_wait_s"]
