@@ -176,12 +176,15 @@ def compile_gluon(which: str, tile: dict, group: int = 32, *, target=None):
                  "x_desc2": desc("bf16", [tile["bm"] // 2, 32], gluon_moe._x_layout(tile["bm"] // 2)),
                  "x_desc4": desc("bf16", [tile["bm"] // 4, 32], gluon_moe._x_layout(tile["bm"] // 4)),
                  "w_desc": desc("u8", [2 * tile["bnc"] // 32, 32, 32], gluon_moe._w_layout()),
-                 "s_ptr": "*bf16", "out_ptr": "*bf16", "topk_w_ptr": "*fp32", "sorted_slot_ptr": "*i32",
-                 "block_expert_ptr": "*i32", "block_rows_ptr": "*i32", "K": "i32", "N": "i32", "stride_se": "i64",
-                 "stride_sg": "i32", "stride_om": "i32", "w_row_groups": "i32"}
+                 "s_desc": desc("bf16", [1, 2, 2 * tile["bnc"]], gluon_moe._s_layout()),
+                 "out_ptr": "*bf16", "topk_w_ptr": "*fp32", "sorted_slot_ptr": "*i32",
+                 "block_expert_ptr": "*i32", "block_rows_ptr": "*i32", "num_blocks": "i32", "K": "i32", "N": "i32",
+                 "stride_om": "i32", "w_row_groups": "i32"}
     constants = dict(BM=tile["bm"], BNC=tile["bnc"], GROUP=group, GATE_UP=which == "g1", STAGES=tile["stages"],
                      CONSUMER_REGS=tile.get("consumer_regs", 232), PRODUCER_REGS=tile.get("producer_regs", 40),
-                     BYTE_L=gluon_moe.byte_layout(tile["bnc"]), NARROW=tile.get("narrow", 0))
+                     BYTE_L=gluon_moe.byte_layout(tile["bnc"]), BYTE_T=gluon_moe.byte_layout(tile["bnc"], transposed=True),
+                     NARROW=tile.get("narrow", 0), MID=bool(tile.get("mid", False)),
+                     PERSISTENT=bool(tile.get("persistent", False)))
     for name in constants:
         signature[name] = "constexpr"
     src = GluonASTSource(gluon_moe._ws_gemm_kernel, signature, constants, {})

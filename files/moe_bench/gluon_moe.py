@@ -22,13 +22,16 @@ Per forward (M in the rows that take this path; the tiles by slots per expert, t
      slot's top-k weight, stored per slot);
   4. triton_moe's _topk_sum_kernel.
 
-_ws_gemm_kernel: one program per (block of BM sorted rows, tile of 2 * BNC weight rows), three
-partitions: a producer warp that issues the copy-engine loads of each 64-value K step (the
-rows' two halves, the packed weight tiles) into a ring of STAGES shared-memory buffers, each
-completing on its `ready` mbarrier, and two consumer warp groups, each owning BNC weight rows
+_ws_gemm_kernel: a tile is (a block of BM sorted rows, 2 * BNC weight rows); one program a tile,
+or (the tile's PERSISTENT) one program an SM taking every SM-count-th tile, its ring of stages
+running on from one tile into the next (a tile of an unused block is skipped by every
+partition alike). Three partitions: a producer warp that issues the copy-engine loads of each
+64-value K step (the rows' two halves, the packed weight tiles and their scales) into a ring of
+STAGES shared-memory buffers, each completing on its `ready` mbarrier, and two consumer warp groups, each owning BNC weight rows
 (GEMM1: BNC gate and BNC up columns); both take the narrowest MMA width (a power of two from
-the tile's NARROW up to BM) that holds the block's rows, and the producer fetches only those
-rows. A consumer waits for a stage, loads its packed bytes with
+the tile's NARROW up to BM, and with the tile's MID 3 BM / 4 as a BM / 2 and a BM / 4 wide
+accumulator on the same converted weights) that holds the block's rows, and the producer
+fetches only those rows. A consumer waits for a stage, loads its packed bytes with
 one 8-byte shared-memory load per thread and row (byte_layout: 8 consecutive bytes, 16
 weights, all of one 32-value scale group, so one scale per row and step), converts each
 4-byte word with 15 instructions (_WORD_PTX: nibble to bf16 under the exponent of 128, minus
@@ -40,7 +43,10 @@ once, and while those run step i's alone are waited for, its stage released and 
 weights converted into the registers step i read; so the two operand sets take turns without
 register copies and a conversion never waits for the MMAs it does not feed (with one wait
 per step for all of a step's MMAs, the compiler put each conversion after the wait: no overlap,
-PERFORMANCE.md round 24).
+PERFORMANCE.md round 24). The epilogue: GEMM1 stores SiLU(gate) * up from the accumulator's
+layout (no layout change through shared memory: with one the bm128 tile spilled under the
+tile loop, and 16 B under Triton 3.6 without it), GEMM2 weights and rounds in that layout and
+stores through a layout change (stored from it, its 128 x 128 pointers spilled).
 
 Operand order: a 64-value K block of the packed layout holds in its 32 bytes per column the
 values 0-15 and 32-47 in the low nibbles and 16-31 and 48-63 in the high nibbles. A consumer
@@ -83,14 +89,22 @@ PATH_NAME = "gluon-hopper-ws"
 # 128 x producer within the SM's 65536); NARROW (a power of two, 0: off) the narrowest MMA:
 # a block's MMAs are as wide as its rows used, rounded up to NARROW, 2 NARROW, ... BM, and only
 # those rows are fetched (an expert's last block is mostly partly full: kimi-k2.6 M=8192, 171
-# slots per expert, takes 128 + 64 instead of 256 MMA columns; PERFORMANCE.md, round 23).
+# slots per expert, takes 128 + 64 instead of 256 MMA columns; PERFORMANCE.md, round 23); MID
+# (with NARROW <= BM / 4) adds the width 3 BM / 4 (a BM / 2 and a BM / 4 wide accumulator pair on
+# the same converted weights): at 64-85 slots per expert most blocks hold 65-96 rows and took
+# 128 columns (kimi-k2.6 M=3072 / 4096 forward 5.0 / 6.6% faster, PERFORMANCE.md round 25; with
+# the scales through the copy engine, round 27); PERSISTENT: one program an SM, each taking every
+# SM-count-th tile, its ring of stages running on from one tile into the next, so the next
+# tile's first loads overlap the last one's epilogue (kimi-k2.6 M=2048, bm64: GEMM1 4%, GEMM2 6%
+# faster; the bm128 GEMM1 level or slower, its GEMM2 2-5% faster but spilling 8 B: PERFORMANCE.md
+# round 27); without it one program a tile.
 TILES_BM64 = {
-    "g1": dict(bm=64, bnc=64, stages=4),
-    "g2": dict(bm=64, bnc=128, stages=4),
+    "g1": dict(bm=64, bnc=64, stages=4, persistent=True),
+    "g2": dict(bm=64, bnc=128, stages=4, persistent=True),
 }
 TILES_BM128 = {
     "g1": dict(bm=128, bnc=64, stages=4, narrow=32),
-    "g2": dict(bm=128, bnc=128, stages=4, narrow=32),
+    "g2": dict(bm=128, bnc=128, stages=4, narrow=32, mid=True),
 }
 # Tiles by slots per expert (M x topk / experts of the layer): (up to this many, tiles), the
 # last row without a bound. 128 sorted rows per block from where the experts' blocks are full
@@ -304,22 +318,28 @@ _WORD_PTX = (
     "fma.rn.bf16x2 $3, d, $5, mz; }")
 
 
-def byte_layout(rows: int):
+def byte_layout(rows: int, transposed: bool = False):
     """The layout a consumer warp group loads its [rows, 2, 16] packed bytes in (per row: the
     step's 32 bytes as two 16-byte chunks, one scale group each): each thread holds 8
     consecutive bytes (one 8-byte shared-memory load) of rows r and r + 8 of its warp's 16, the
     lanes as the warp-group MMA's register operand has them (lane % 4 along K, lane / 4 along
     the rows), so that after the conversion a relabelling of K (no data movement) gives that
-    operand's layout."""
+    operand's layout. transposed: the same with the first two dimensions swapped ([2, rows,
+    16]: how the stage's scales, [2, rows] per consumer, are loaded before their relabelling)."""
     reg = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]] + [[64 * (1 << i), 0, 0] for i in range((rows // 64).bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 0, 8], [0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-                                      warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[rows, 2, 16])
+    lane = [[0, 0, 8], [0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+    warp = [[16, 0, 0], [32, 0, 0]]
+    shape = [rows, 2, 16]
+    if transposed:
+        reg, lane, warp = ([[b[1], b[0], b[2]] for b in bases] for bases in (reg, lane, warp))
+        shape = [2, rows, 16]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[], shape=shape)
 
 
 def _define_kernels():
     """The Gluon kernels, defined only where Gluon imports (a version whose names differ
     leaves GLUON_IMPORT_ERROR saying so instead of failing the payload's import)."""
-    global _tma_load, _WORD, _convert, _mmas, _weights, _scales, _producer, _produce, _consumer, _consume, _consumer_0, _consumer_1, _ws_gemm_kernel
+    global _tma_load, _WORD, _convert, _mmas, _weights, _stage_scales, _producer, _producer_at, _produce_tile, _produce, _consumer, _consumer_at, _consume_tile, _consume, _consumer_0, _consumer_1, _ws_gemm_kernel
     # The copy-engine load is tma.async_copy_global_to_shared in Triton 3.6, tma.async_load later.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _WORD = gl.constexpr(_WORD_PTX)
@@ -341,161 +361,252 @@ def _define_kernels():
         return gl.convert_layout(lo, A_L, assert_trivial=True), gl.convert_layout(hi, A_L, assert_trivial=True)
 
     @gluon.jit
-    def _producer(x_desc, x_desc2, x_desc4, w_desc, x_bufs, w_bufs, ready, empty, row0, rows_used, wrow_g, wrow_u,
-                  num_k, BM: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr, NARROW: gl.constexpr):
-        """The copy-engine loads; of the activations only the rows the consumers' MMAs read (the
-        width _consumer picks: x_desc2 and x_desc4 fetch BM / 2 and BM / 4 rows)."""
-        if (NARROW > 0) & (NARROW <= BM // 4):
-            if rows_used <= BM // 4:
-                _produce(x_desc4, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM // 4,
-                         GATE_UP, STAGES)
-            elif rows_used <= BM // 2:
-                _produce(x_desc2, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM // 2,
-                         GATE_UP, STAGES)
-            else:
-                _produce(x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM, GATE_UP,
-                         STAGES)
-        elif (NARROW > 0) & (NARROW <= BM // 2):
-            if rows_used <= BM // 2:
-                _produce(x_desc2, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM // 2,
-                         GATE_UP, STAGES)
-            else:
-                _produce(x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM, GATE_UP,
-                         STAGES)
+    def _producer(x_desc, x_desc2, x_desc4, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, block_rows_ptr,
+                  block_expert_ptr, first, step, num_tiles, num_n, N, w_row_groups, num_k, BM: gl.constexpr,
+                  BNH: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+                  NARROW: gl.constexpr, MID: gl.constexpr, PERSISTENT: gl.constexpr):
+        """The copy-engine loads of this program's tiles: PERSISTENT, tiles first, first + step, ...,
+        the ring of stages running on from one tile into the next (so the next tile's first steps
+        load while the consumers store the last one's results); else tile first alone."""
+        if PERSISTENT:
+            base = 0
+            for t in range(first, num_tiles, step):
+                base = _producer_at(x_desc, x_desc2, x_desc4, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty,
+                                    block_rows_ptr, block_expert_ptr, t, base, num_n, N, w_row_groups, num_k, BM, BNH,
+                                    GATE_UP, STAGES, GROUP, NARROW, MID)
         else:
-            _produce(x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, BM, GATE_UP, STAGES)
+            _producer_at(x_desc, x_desc2, x_desc4, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty,
+                         block_rows_ptr, block_expert_ptr, first, 0, num_n, N, w_row_groups, num_k, BM, BNH, GATE_UP,
+                         STAGES, GROUP, NARROW, MID)
 
     @gluon.jit
-    def _produce(x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, wrow_g, wrow_u, num_k, NE: gl.constexpr,
-                 GATE_UP: gl.constexpr, STAGES: gl.constexpr):
-        """Each K step's loads: the rows' two 32-value halves (x_desc's NE rows into the first NE
-        rows of the stage) and the packed weight tiles, completing on the stage's `ready`."""
-        X_BYTES: gl.constexpr = x_desc.block_type.nbytes
-        W_BYTES: gl.constexpr = w_desc.block_type.nbytes
+    def _producer_at(x_desc, x_desc2, x_desc4, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, block_rows_ptr,
+                     block_expert_ptr, t, base, num_n, N, w_row_groups, num_k, BM: gl.constexpr, BNH: gl.constexpr,
+                     GATE_UP: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, NARROW: gl.constexpr,
+                     MID: gl.constexpr):
+        """Tile t's loads from ring position base on (none for a tile past the used blocks); the
+        ring position after them."""
+        pid_b = t // num_n
+        rows_used = gl.load(block_rows_ptr + pid_b)
+        if rows_used > 0:
+            expert = gl.load(block_expert_ptr + pid_b)
+            col0 = (t % num_n) * BNH
+            # w13's up rows start INTER (= N) rows after its gate rows.
+            wrow_g = expert * w_row_groups + col0 // 32
+            wrow_u = expert * w_row_groups + (N + col0) // 32
+            _produce_tile(x_desc, x_desc2, x_desc4, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty,
+                          pid_b * BM, rows_used, wrow_g, wrow_u, expert, col0, N + col0, base, num_k, BM, GATE_UP,
+                          STAGES, GROUP, NARROW, MID)
+        return base + num_k * (rows_used > 0).to(gl.int32)
+
+    @gluon.jit
+    def _produce_tile(x_desc, x_desc2, x_desc4, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, row0,
+                      rows_used, wrow_g, wrow_u, expert, scol_g, scol_u, base, num_k, BM: gl.constexpr,
+                      GATE_UP: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, NARROW: gl.constexpr,
+                      MID: gl.constexpr):
+        """One tile's copy-engine loads (its steps from ring position base on); of the activations
+        only the rows the consumers' MMAs read (the width _consumer picks: x_desc2 and x_desc4 fetch
+        BM / 2 and BM / 4 rows; MID: 3 BM / 4 as the two, one after the other)."""
+        if (NARROW > 0) & (NARROW <= BM // 4):
+            if rows_used <= BM // 4:
+                _produce(x_desc4, x_desc4, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, row0, wrow_g, wrow_u,
+                         expert, scol_g, scol_u, base, num_k, BM // 4, 0, GATE_UP, STAGES, GROUP)
+            elif rows_used <= BM // 2:
+                _produce(x_desc2, x_desc2, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, row0, wrow_g, wrow_u,
+                         expert, scol_g, scol_u, base, num_k, BM // 2, 0, GATE_UP, STAGES, GROUP)
+            elif MID:
+                if rows_used <= 3 * BM // 4:
+                    _produce(x_desc2, x_desc4, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, row0, wrow_g,
+                             wrow_u, expert, scol_g, scol_u, base, num_k, BM // 2, BM // 4, GATE_UP, STAGES, GROUP)
+                else:
+                    _produce(x_desc, x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, row0, wrow_g,
+                             wrow_u, expert, scol_g, scol_u, base, num_k, BM, 0, GATE_UP, STAGES, GROUP)
+            else:
+                _produce(x_desc, x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, row0, wrow_g, wrow_u,
+                         expert, scol_g, scol_u, base, num_k, BM, 0, GATE_UP, STAGES, GROUP)
+        elif (NARROW > 0) & (NARROW <= BM // 2):
+            if rows_used <= BM // 2:
+                _produce(x_desc2, x_desc2, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, row0, wrow_g, wrow_u,
+                         expert, scol_g, scol_u, base, num_k, BM // 2, 0, GATE_UP, STAGES, GROUP)
+            else:
+                _produce(x_desc, x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, row0, wrow_g, wrow_u,
+                         expert, scol_g, scol_u, base, num_k, BM, 0, GATE_UP, STAGES, GROUP)
+        else:
+            _produce(x_desc, x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, row0, wrow_g, wrow_u,
+                     expert, scol_g, scol_u, base, num_k, BM, 0, GATE_UP, STAGES, GROUP)
+
+    @gluon.jit
+    def _produce(x_desc, x_desc_b, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, row0, wrow_g, wrow_u,
+                 expert, scol_g, scol_u, base, num_k, NE: gl.constexpr, NE2: gl.constexpr, GATE_UP: gl.constexpr,
+                 STAGES: gl.constexpr, GROUP: gl.constexpr):
+        """Each K step's loads, completing on the stage's `ready`: the rows' two 32-value halves
+        (x_desc's NE rows into the first NE rows of the stage, and where NE2 > 0 x_desc_b's NE2
+        rows after them), the packed weight tiles and their scales (the two groups from the
+        step's first value on: with groups of 32 the step's two; the copy engine writes zeros
+        past the tensor's end)."""
+        X_BYTES: gl.constexpr = x_desc.block_type.nbytes + (x_desc_b.block_type.nbytes if NE2 > 0 else 0)
+        W_BYTES: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes
         W_COPIES: gl.constexpr = 2 if GATE_UP else 1
         NBYTES: gl.constexpr = 2 * X_BYTES + W_COPIES * W_BYTES
         for i in range(num_k):
-            s = i % STAGES
+            s = (base + i) % STAGES
             # A fresh barrier is in phase 0: waiting for parity 1 passes at once (the first lap).
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            mbarrier.wait(empty.index(s), (((base + i) // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, NBYTES)
             _tma_load(x_desc, [row0, i * 64], bar, x_bufs.index(2 * s).slice(0, NE, 0))
             _tma_load(x_desc, [row0, i * 64 + 32], bar, x_bufs.index(2 * s + 1).slice(0, NE, 0))
+            if NE2 > 0:
+                _tma_load(x_desc_b, [row0 + NE, i * 64], bar, x_bufs.index(2 * s).slice(NE, NE2, 0))
+                _tma_load(x_desc_b, [row0 + NE, i * 64 + 32], bar, x_bufs.index(2 * s + 1).slice(NE, NE2, 0))
             _tma_load(w_desc, [wrow_g, i * 32, 0], bar, w_bufs.index(2 * s))
+            _tma_load(s_desc, [expert, (i * 64) // GROUP, scol_g], bar, s_bufs.index(2 * s))
             if GATE_UP:
                 _tma_load(w_desc, [wrow_u, i * 32, 0], bar, w_bufs.index(2 * s + 1))
+                _tma_load(s_desc, [expert, (i * 64) // GROUP, scol_u], bar, s_bufs.index(2 * s + 1))
 
     @gluon.jit
-    def _mmas(wl, wh, ul, uh, acc_g, acc_u, x_bufs, i, STAGES: gl.constexpr, GATE_UP: gl.constexpr, NE: gl.constexpr):
-        """Step i's MMAs (asynchronous) on the converted operands and the stage's first NE rows."""
-        s = i % STAGES
+    def _mmas(wl, wh, ul, uh, acc_g, acc_u, acc_g2, acc_u2, x_bufs, j, STAGES: gl.constexpr, GATE_UP: gl.constexpr,
+              NE: gl.constexpr, NE2: gl.constexpr):
+        """Step i's MMAs (asynchronous) on the converted operands and the stage's first NE rows
+        (and, where NE2 > 0, the NE2 rows after them into the second accumulators: one converted
+        operand feeds both); j: the step's position in the ring."""
+        s = j % STAGES
         xl = x_bufs.index(2 * s).slice(0, NE, 0).permute((1, 0))
         xh = x_bufs.index(2 * s + 1).slice(0, NE, 0).permute((1, 0))
         acc_g = warpgroup_mma(wl, xl, acc_g, is_async=True)
         acc_g = warpgroup_mma(wh, xh, acc_g, is_async=True)
+        if NE2 > 0:
+            xl2 = x_bufs.index(2 * s).slice(NE, NE2, 0).permute((1, 0))
+            xh2 = x_bufs.index(2 * s + 1).slice(NE, NE2, 0).permute((1, 0))
+            acc_g2 = warpgroup_mma(wl, xl2, acc_g2, is_async=True)
+            acc_g2 = warpgroup_mma(wh, xh2, acc_g2, is_async=True)
         if GATE_UP:
             acc_u = warpgroup_mma(ul, xl, acc_u, is_async=True)
             acc_u = warpgroup_mma(uh, xh, acc_u, is_async=True)
-        return acc_g, acc_u
+            if NE2 > 0:
+                acc_u2 = warpgroup_mma(ul, xl2, acc_u2, is_async=True)
+                acc_u2 = warpgroup_mma(uh, xh2, acc_u2, is_async=True)
+        return acc_g, acc_u, acc_g2, acc_u2
 
     @gluon.jit
-    def _weights(i, sg, su, w_bufs, ready, num_k, CID: gl.constexpr, BNC: gl.constexpr, GATE_UP: gl.constexpr,
-                 STAGES: gl.constexpr, BYTE_L: gl.constexpr, A_L: gl.constexpr):
+    def _weights(base, i, w_bufs, s_bufs, ready, num_k, CID: gl.constexpr, BNC: gl.constexpr, GATE_UP: gl.constexpr,
+                 STAGES: gl.constexpr, GROUP: gl.constexpr, BYTE_L: gl.constexpr, BYTE_T: gl.constexpr,
+                 A_L: gl.constexpr):
         """Step i's weights (when it has arrived; i >= num_k: a stale stage, never used)
-        converted with its scales sg (and su)."""
+        converted with their scales (from the same stage: one per row and 32-value chunk)."""
         BNH: gl.constexpr = 2 * BNC
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1, pred=i < num_k)
+        s = (base + i) % STAGES
+        mbarrier.wait(ready.index(s), ((base + i) // STAGES) & 1, pred=i < num_k)
+        sg = _stage_scales(s_bufs.index(2 * s), CID, BNC, GROUP, BYTE_L, BYTE_T)
         nl, nh = _convert(w_bufs.index(2 * s).reshape([BNH, 2, 16]).slice(CID * BNC, BNC, 0), sg, BYTE_L, A_L, BNC)
         ml, mh = nl, nh
         if GATE_UP:
+            su = _stage_scales(s_bufs.index(2 * s + 1), CID, BNC, GROUP, BYTE_L, BYTE_T)
             ml, mh = _convert(w_bufs.index(2 * s + 1).reshape([BNH, 2, 16]).slice(CID * BNC, BNC, 0), su, BYTE_L,
                               A_L, BNC)
         return nl, nh, ml, mh
 
     @gluon.jit
-    def _scales(i, s_ptr, s_base_g, s_base_u, stride_sg, offs_n, offs_c, num_k, GROUP: gl.constexpr,
-                GATE_UP: gl.constexpr):
-        """Step i's scales (clamped to the last step), one per row and 32-value chunk."""
-        s_off = ((gl.minimum(i, num_k - 1) * 64 + 32 * offs_c) // GROUP)[None, :] * stride_sg + offs_n[:, None]
-        sg = gl.load(s_ptr + s_base_g + s_off)
-        su = sg
-        if GATE_UP:
-            su = gl.load(s_ptr + s_base_u + s_off)
-        return sg, su
+    def _stage_scales(tile, CID: gl.constexpr, BNC: gl.constexpr, GROUP: gl.constexpr, BYTE_L: gl.constexpr,
+                      BYTE_T: gl.constexpr):
+        """A consumer's BNC rows of a stage's scale tile ([1, 2, BNH]: the two groups from the
+        step's first value on, zero past the tensor's end) as [BNC, 2], one per row and 32-value
+        chunk: with groups of 32 one group per chunk, larger groups the first for both."""
+        BNH: gl.constexpr = 2 * BNC
+        s_layout: gl.constexpr = gl.SliceLayout(2, BYTE_L)
+        rows = tile.reshape([2, BNH]).slice(CID * BNC, BNC, 1)
+        if GROUP == 32:
+            # Loaded as stored ([2, BNC]) in s_layout's transpose, then relabelled (no data
+            # movement).
+            t = rows.load(gl.SliceLayout(2, BYTE_T))
+            s2 = gl.convert_layout(gl.permute(t, (1, 0)), s_layout, assert_trivial=True)
+        else:
+            s1 = rows.index(0).load(gl.SliceLayout(1, s_layout))
+            s2 = gl.expand_dims(s1, 1).broadcast_to([BNC, 2])
+        return s2
 
     @gluon.jit
-    def _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr, stride_om,
-                  topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID: gl.constexpr, BM: gl.constexpr,
+    def _consumer(x_bufs, w_bufs, ready, empty, s_bufs, num_k, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr,
+                  block_rows_ptr, first, step, num_tiles, num_n, CID: gl.constexpr, BM: gl.constexpr,
                   BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
-                  BYTE_L: gl.constexpr, NARROW: gl.constexpr):
+                  BYTE_L: gl.constexpr, BYTE_T: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr,
+                  PERSISTENT: gl.constexpr):
+        """A consumer warp group's tiles, as _producer takes them."""
+        if PERSISTENT:
+            base = 0
+            for t in range(first, num_tiles, step):
+                base = _consumer_at(x_bufs, w_bufs, ready, empty, s_bufs, num_k, out_ptr, stride_om, topk_w_ptr,
+                                    sorted_slot_ptr, block_rows_ptr, t, base, num_n, CID, BM, BNC, GROUP, GATE_UP,
+                                    STAGES, BYTE_L, BYTE_T, NARROW, MID)
+        else:
+            _consumer_at(x_bufs, w_bufs, ready, empty, s_bufs, num_k, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr,
+                         block_rows_ptr, first, 0, num_n, CID, BM, BNC, GROUP, GATE_UP, STAGES, BYTE_L, BYTE_T, NARROW,
+                         MID)
+
+    @gluon.jit
+    def _consumer_at(x_bufs, w_bufs, ready, empty, s_bufs, num_k, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr,
+                     block_rows_ptr, t, base, num_n, CID: gl.constexpr, BM: gl.constexpr, BNC: gl.constexpr,
+                     GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr, BYTE_L: gl.constexpr,
+                     BYTE_T: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr):
+        """Tile t with its steps from ring position base on (nothing for a tile past the used
+        blocks); the ring position after it."""
+        pid_b = t // num_n
+        rows_used = gl.load(block_rows_ptr + pid_b)
+        if rows_used > 0:
+            _consume_tile(x_bufs, w_bufs, ready, empty, s_bufs, base, num_k, out_ptr, stride_om, topk_w_ptr,
+                          sorted_slot_ptr, pid_b * BM, rows_used, (t % num_n) * (2 * BNC), CID, BM, BNC, GROUP,
+                          GATE_UP, STAGES, BYTE_L, BYTE_T, NARROW, MID)
+        return base + num_k * (rows_used > 0).to(gl.int32)
+
+    @gluon.jit
+    def _consume_tile(x_bufs, w_bufs, ready, empty, s_bufs, base, num_k, out_ptr, stride_om,
+                      topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID: gl.constexpr, BM: gl.constexpr,
+                      BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
+                      BYTE_L: gl.constexpr, BYTE_T: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr):
         """A consumer's block: its MMAs as wide as the block's rows need. NARROW > 0 (a power of
         two): the rows used rounded up to NARROW, 2 NARROW, 4 NARROW, ... BM (a tensor's sizes
-        are powers of two), each width its own compiled body; 0: always BM."""
+        are powers of two), each width its own compiled body; MID (with NARROW <= BM / 4): also
+        3 BM / 4, as a BM / 2 and a BM / 4 wide accumulator on the same converted weights; 0:
+        always BM."""
         if NARROW == 0:
-            _consume(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr, stride_om,
-                     topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID, BM, BNC, GROUP, GATE_UP, STAGES,
-                     BYTE_L)
+            _consume(x_bufs, w_bufs, ready, empty, s_bufs, base, num_k, out_ptr, stride_om,
+                     topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID, BM, 0, BNC, GROUP, GATE_UP, STAGES,
+                     BYTE_L, BYTE_T)
         else:
+            MID_ON: gl.constexpr = MID & (NARROW <= BM // 4)
             for j in gl.static_range(BM.bit_length() - NARROW.bit_length() + 1):
-                if ((rows_used > (NARROW << j) // 2) | (j == 0)) & (rows_used <= (NARROW << j)):
-                    _consume(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
-                             stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID, NARROW << j, BNC,
-                             GROUP, GATE_UP, STAGES, BYTE_L)
+                # width NARROW << j from just over the width below it (with MID, the full width
+                # from just over 3 BM / 4)
+                if ((rows_used > ((3 * BM // 4) if (MID_ON & ((NARROW << j) == BM)) else (NARROW << j) // 2))
+                        | (j == 0)) & (rows_used <= (NARROW << j)):
+                    _consume(x_bufs, w_bufs, ready, empty, s_bufs, base, num_k, out_ptr,
+                             stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID, NARROW << j, 0,
+                             BNC, GROUP, GATE_UP, STAGES, BYTE_L, BYTE_T)
+            if MID_ON:
+                if (rows_used > BM // 2) & (rows_used <= 3 * BM // 4):
+                    _consume(x_bufs, w_bufs, ready, empty, s_bufs, base, num_k, out_ptr,
+                             stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID, BM // 2, BM // 4,
+                             BNC, GROUP, GATE_UP, STAGES, BYTE_L, BYTE_T)
 
     @gluon.jit
-    def _consume(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr, stride_om,
-                 topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID: gl.constexpr, BM: gl.constexpr,
-                 BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
-                 BYTE_L: gl.constexpr):
-        """The consumer's K loop and epilogue on the first BM rows of its block (the MMA's N)."""
+    def _epilogue(acc_g, acc_u, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0,
+                  CID: gl.constexpr, BNC: gl.constexpr, NE: gl.constexpr, GATE_UP: gl.constexpr):
+        """An accumulator pair's NE rows (from row0 of the sorted rows; rows_used of them real)
+        stored: GEMM1 SiLU(gate) * up in GEMM2's operand order, GEMM2 times each slot's top-k
+        weight, per slot."""
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BM, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-        s_layout: gl.constexpr = gl.SliceLayout(2, BYTE_L)
-        acc_g = gl.zeros([BNC, BM], gl.float32, mma_layout)
-        acc_u = gl.zeros([BNC, BM], gl.float32, mma_layout)
-        offs_n = CID * BNC + gl.arange(0, BNC, layout=gl.SliceLayout(1, s_layout))
-        offs_c = gl.arange(0, 2, layout=gl.SliceLayout(0, s_layout))
-        # Software-pipelined two steps at a time: step i's MMAs run while step i + 1's weights
-        # are converted, step i + 1's are issued behind them at once (so the tensor cores keep
-        # this warp group's work queued), and while those run the wait for step i's alone, its
-        # stage released, step i + 2's weights converted into the registers it read; then the
-        # wait for step i + 1's. The operands of the MMAs in flight stay live (passed to the
-        # waits) so nothing overwrites them early; scales are fetched two steps ahead.
-        sg, su = _scales(0, s_ptr, s_base_g, s_base_u, stride_sg, offs_n, offs_c, num_k, GROUP, GATE_UP)
-        wl, wh, ul, uh = _weights(0, sg, su, w_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES, BYTE_L, a_layout)
-        sg1, su1 = _scales(1, s_ptr, s_base_g, s_base_u, stride_sg, offs_n, offs_c, num_k, GROUP, GATE_UP)
-        sg2, su2 = _scales(2, s_ptr, s_base_g, s_base_u, stride_sg, offs_n, offs_c, num_k, GROUP, GATE_UP)
-        for i in range(0, num_k, 2):  # (num_k is even: shape_unavailable_reason)
-            acc_g, acc_u = _mmas(wl, wh, ul, uh, acc_g, acc_u, x_bufs, i, STAGES, GATE_UP, BM)
-            nl, nh, ml, mh = _weights(i + 1, sg1, su1, w_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES, BYTE_L,
-                                      a_layout)
-            sg1, su1 = _scales(i + 3, s_ptr, s_base_g, s_base_u, stride_sg, offs_n, offs_c, num_k, GROUP, GATE_UP)
-            acc_g, acc_u = _mmas(nl, nh, ml, mh, acc_g, acc_u, x_bufs, i + 1, STAGES, GATE_UP, BM)
-            # Each warpgroup_mma is one commit group: step i + 1's (four, GEMM2 two) stay outstanding.
-            if GATE_UP:
-                acc_g, acc_u, wl, wh, ul, uh = warpgroup_mma_wait(num_outstanding=4, deps=(acc_g, acc_u, wl, wh, ul, uh))
-            else:
-                acc_g, wl, wh = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, wl, wh))
-            mbarrier.arrive(empty.index(i % STAGES), count=1)
-            wl, wh, ul, uh = _weights(i + 2, sg2, su2, w_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES, BYTE_L,
-                                      a_layout)
-            sg2, su2 = _scales(i + 4, s_ptr, s_base_g, s_base_u, stride_sg, offs_n, offs_c, num_k, GROUP, GATE_UP)
-            if GATE_UP:
-                acc_g, acc_u, nl, nh, ml, mh = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u, nl, nh, ml, mh))
-            else:
-                acc_g, nl, nh = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, nl, nh))
-            mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
-
+                                                             instr_shape=[16, NE, 16])
         out_layout: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, 4], [0, 1])
         offs_o = col0 + CID * BNC + gl.arange(0, BNC, layout=gl.SliceLayout(1, out_layout))
-        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
+        offs_m = gl.arange(0, NE, layout=gl.SliceLayout(0, out_layout))
         row_ok = offs_m < rows_used
         if GATE_UP:
-            h = acc_g * (1.0 / (1.0 + gl.exp(-acc_g))) * acc_u
-            h = gl.convert_layout(h.to(out_ptr.dtype.element_ty), out_layout)
+            # Stored from the accumulator's layout (no layout change through shared memory).
+            h = (acc_g * (1.0 / (1.0 + gl.exp(-acc_g))) * acc_u).to(out_ptr.dtype.element_ty)
+            offs_o = col0 + CID * BNC + gl.arange(0, BNC, layout=gl.SliceLayout(1, mma_layout))
+            offs_m = gl.arange(0, NE, layout=gl.SliceLayout(0, mma_layout))
+            row_ok = offs_m < rows_used
             rows = (row0 + offs_m).to(gl.int64)
             # Stored in GEMM2's operand order (its K is this GEMM's N; operand_positions).
             r = offs_o % 64
@@ -505,7 +616,7 @@ def _define_kernels():
         else:
             # Weighted and rounded in the accumulator's layout, so only bf16 values change layout
             # (at BM 128, BNC 128 the float32 conversion would not fit the registers).
-            offs_w = gl.arange(0, BM, layout=gl.SliceLayout(0, mma_layout))
+            offs_w = gl.arange(0, NE, layout=gl.SliceLayout(0, mma_layout))
             w_ok = offs_w < rows_used
             weight = gl.load(topk_w_ptr + gl.load(sorted_slot_ptr + row0 + offs_w, mask=w_ok, other=0), mask=w_ok,
                              other=0.0)
@@ -514,64 +625,130 @@ def _define_kernels():
             gl.store(out_ptr + slot.to(gl.int64)[None, :] * stride_om + offs_o[:, None], o, mask=row_ok[None, :])
 
     @gluon.jit
-    def _consumer_0(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
-                    stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM: gl.constexpr,
-                    BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
-                    BYTE_L: gl.constexpr, NARROW: gl.constexpr):
-        _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
-                  stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, 0, BM, BNC, GROUP,
-                  GATE_UP, STAGES, BYTE_L, NARROW)
+    def _consume(x_bufs, w_bufs, ready, empty, s_bufs, base, num_k, out_ptr, stride_om,
+                 topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID: gl.constexpr, BM: gl.constexpr,
+                 BM2: gl.constexpr, BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr,
+                 STAGES: gl.constexpr, BYTE_L: gl.constexpr, BYTE_T: gl.constexpr):
+        """The consumer's K loop and epilogue on the first BM rows of its block (the MMA's N), and
+        where BM2 > 0 on the BM2 rows after them too (a second pair of accumulators)."""
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+        # (BM2 == 0: the second pair is a placeholder no MMA touches.)
+        BM2_ALLOC: gl.constexpr = BM2 if BM2 > 0 else 8
+        mma_layout2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, BM2_ALLOC, 16])
+        # Each warpgroup_mma is one commit group: a step's count.
+        GROUPS: gl.constexpr = (2 if GATE_UP else 1) * (4 if BM2 > 0 else 2)
+        acc_g = gl.zeros([BNC, BM], gl.float32, mma_layout)
+        acc_u = gl.zeros([BNC, BM], gl.float32, mma_layout)
+        acc_g2 = gl.zeros([BNC, BM2_ALLOC], gl.float32, mma_layout2)
+        acc_u2 = gl.zeros([BNC, BM2_ALLOC], gl.float32, mma_layout2)
+        # Software-pipelined two steps at a time: step i's MMAs run while step i + 1's weights
+        # are converted, step i + 1's are issued behind them at once (so the tensor cores keep
+        # this warp group's work queued), and while those run the wait for step i's alone, its
+        # stage released, step i + 2's weights converted into the registers it read; then the
+        # wait for step i + 1's. The operands of the MMAs in flight stay live (passed to the
+        # waits) so nothing overwrites them early.
+        wl, wh, ul, uh = _weights(base, 0, w_bufs, s_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES, GROUP, BYTE_L, BYTE_T,
+                                  a_layout)
+        for i in range(0, num_k, 2):  # (num_k is even: shape_unavailable_reason)
+            acc_g, acc_u, acc_g2, acc_u2 = _mmas(wl, wh, ul, uh, acc_g, acc_u, acc_g2, acc_u2, x_bufs, base + i, STAGES,
+                                                 GATE_UP, BM, BM2)
+            nl, nh, ml, mh = _weights(base, i + 1, w_bufs, s_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES, GROUP, BYTE_L, BYTE_T,
+                                      a_layout)
+            acc_g, acc_u, acc_g2, acc_u2 = _mmas(nl, nh, ml, mh, acc_g, acc_u, acc_g2, acc_u2, x_bufs, base + i + 1, STAGES,
+                                                 GATE_UP, BM, BM2)
+            # Step i + 1's commit groups stay outstanding.
+            if GATE_UP:
+                if BM2 > 0:
+                    acc_g, acc_u, acc_g2, acc_u2, wl, wh, ul, uh = warpgroup_mma_wait(
+                        num_outstanding=GROUPS, deps=(acc_g, acc_u, acc_g2, acc_u2, wl, wh, ul, uh))
+                else:
+                    acc_g, acc_u, wl, wh, ul, uh = warpgroup_mma_wait(num_outstanding=GROUPS,
+                                                                      deps=(acc_g, acc_u, wl, wh, ul, uh))
+            else:
+                if BM2 > 0:
+                    acc_g, acc_g2, wl, wh = warpgroup_mma_wait(num_outstanding=GROUPS, deps=(acc_g, acc_g2, wl, wh))
+                else:
+                    acc_g, wl, wh = warpgroup_mma_wait(num_outstanding=GROUPS, deps=(acc_g, wl, wh))
+            mbarrier.arrive(empty.index((base + i) % STAGES), count=1)
+            wl, wh, ul, uh = _weights(base, i + 2, w_bufs, s_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES, GROUP, BYTE_L, BYTE_T,
+                                      a_layout)
+            if GATE_UP:
+                if BM2 > 0:
+                    acc_g, acc_u, acc_g2, acc_u2, nl, nh, ml, mh = warpgroup_mma_wait(
+                        num_outstanding=0, deps=(acc_g, acc_u, acc_g2, acc_u2, nl, nh, ml, mh))
+                else:
+                    acc_g, acc_u, nl, nh, ml, mh = warpgroup_mma_wait(num_outstanding=0,
+                                                                      deps=(acc_g, acc_u, nl, nh, ml, mh))
+            else:
+                if BM2 > 0:
+                    acc_g, acc_g2, nl, nh = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_g2, nl, nh))
+                else:
+                    acc_g, nl, nh = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, nl, nh))
+            mbarrier.arrive(empty.index((base + i + 1) % STAGES), count=1)
+
+        _epilogue(acc_g, acc_u, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID, BNC, BM,
+                  GATE_UP)
+        if BM2 > 0:
+            _epilogue(acc_g2, acc_u2, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr, row0 + BM, rows_used - BM,
+                      col0, CID, BNC, BM2, GATE_UP)
 
     @gluon.jit
-    def _consumer_1(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
-                    stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM: gl.constexpr,
-                    BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
-                    BYTE_L: gl.constexpr, NARROW: gl.constexpr):
-        _consumer(x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
-                  stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, 1, BM, BNC, GROUP,
-                  GATE_UP, STAGES, BYTE_L, NARROW)
+    def _consumer_0(x_bufs, w_bufs, ready, empty, s_bufs, num_k, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr,
+                    block_rows_ptr, first, step, num_tiles, num_n, BM: gl.constexpr, BNC: gl.constexpr,
+                    GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr, BYTE_L: gl.constexpr,
+                    BYTE_T: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr, PERSISTENT: gl.constexpr):
+        _consumer(x_bufs, w_bufs, ready, empty, s_bufs, num_k, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr,
+                  block_rows_ptr, first, step, num_tiles, num_n, 0, BM, BNC, GROUP, GATE_UP, STAGES, BYTE_L,
+                  BYTE_T, NARROW, MID, PERSISTENT)
 
     @gluon.jit
-    def _ws_gemm_kernel(x_desc, x_desc2, x_desc4, w_desc, s_ptr, out_ptr, topk_w_ptr, sorted_slot_ptr, block_expert_ptr, block_rows_ptr,
-                        K, N, stride_se, stride_sg, stride_om, w_row_groups,
+    def _consumer_1(x_bufs, w_bufs, ready, empty, s_bufs, num_k, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr,
+                    block_rows_ptr, first, step, num_tiles, num_n, BM: gl.constexpr, BNC: gl.constexpr,
+                    GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr, BYTE_L: gl.constexpr,
+                    BYTE_T: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr, PERSISTENT: gl.constexpr):
+        _consumer(x_bufs, w_bufs, ready, empty, s_bufs, num_k, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr,
+                  block_rows_ptr, first, step, num_tiles, num_n, 1, BM, BNC, GROUP, GATE_UP, STAGES, BYTE_L,
+                  BYTE_T, NARROW, MID, PERSISTENT)
+
+    @gluon.jit
+    def _ws_gemm_kernel(x_desc, x_desc2, x_desc4, w_desc, s_desc, out_ptr, topk_w_ptr, sorted_slot_ptr,
+                        block_expert_ptr, block_rows_ptr, num_blocks, K, N, stride_om, w_row_groups,
                         BM: gl.constexpr, BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr,
                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                        BYTE_L: gl.constexpr, NARROW: gl.constexpr):
-        """One block of BM sorted rows x 2 * BNC output columns (GEMM1: gate and up of each);
+                        BYTE_L: gl.constexpr, BYTE_T: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr,
+                        PERSISTENT: gl.constexpr):
+        """Tiles of BM sorted rows x 2 * BNC output columns (GEMM1: gate and up of each), tile t =
+        block t // (N / 2 BNC), columns t % (N / 2 BNC); program p takes tiles p, p + programs,
+        ... (one each where the grid has a program a tile; persistent where it has one an SM);
         see the module docstring."""
         BNH: gl.constexpr = 2 * BNC
-        pid = gl.program_id(0)
+        first = gl.program_id(0)
+        step = gl.num_programs(0)
         num_n = N // BNH
-        pid_b = pid // num_n
-        pid_n = pid % num_n
-        rows_used = gl.load(block_rows_ptr + pid_b)
-        if rows_used > 0:
-            expert = gl.load(block_expert_ptr + pid_b).to(gl.int64)
-            x_bufs = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
-            w_bufs = gl.allocate_shared_memory(w_desc.dtype, [2 * STAGES] + w_desc.block_type.shape, w_desc.layout)
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(STAGES):
-                mbarrier.init(ready.index(i), count=1)
-                mbarrier.init(empty.index(i), count=2)
-            row0 = pid_b * BM
-            col0 = pid_n * BNH
-            # w13's up rows start INTER (= N) rows after its gate rows.
-            wrow_g = (expert * w_row_groups + col0 // 32).to(gl.int32)
-            wrow_u = (expert * w_row_groups + (N + col0) // 32).to(gl.int32)
-            s_base_g = expert * stride_se + col0
-            s_base_u = s_base_g + N
-            num_k = K // 64
-            gl.warp_specialize([
-                (_consumer_0, (x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
-                                stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM, BNC, GROUP,
-                                GATE_UP, STAGES, BYTE_L, NARROW)),
-                (_consumer_1, (x_bufs, w_bufs, ready, empty, s_ptr, s_base_g, s_base_u, stride_sg, num_k, out_ptr,
-                                stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, BM, BNC, GROUP,
-                                GATE_UP, STAGES, BYTE_L, NARROW)),
-                (_producer, (x_desc, x_desc2, x_desc4, w_desc, x_bufs, w_bufs, ready, empty, row0, rows_used, wrow_g,
-                             wrow_u, num_k, BM, GATE_UP, STAGES, NARROW)),
-            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        num_tiles = num_blocks * num_n
+        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
+        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [2 * STAGES] + w_desc.block_type.shape, w_desc.layout)
+        s_bufs = gl.allocate_shared_memory(s_desc.dtype, [2 * STAGES] + s_desc.block_type.shape, s_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        num_k = K // 64
+        gl.warp_specialize([
+            (_consumer_0, (x_bufs, w_bufs, ready, empty, s_bufs, num_k, out_ptr, stride_om, topk_w_ptr,
+                           sorted_slot_ptr, block_rows_ptr, first, step, num_tiles, num_n, BM, BNC, GROUP, GATE_UP,
+                           STAGES, BYTE_L, BYTE_T, NARROW, MID, PERSISTENT)),
+            (_consumer_1, (x_bufs, w_bufs, ready, empty, s_bufs, num_k, out_ptr, stride_om, topk_w_ptr,
+                           sorted_slot_ptr, block_rows_ptr, first, step, num_tiles, num_n, BM, BNC, GROUP, GATE_UP,
+                           STAGES, BYTE_L, BYTE_T, NARROW, MID, PERSISTENT)),
+            (_producer, (x_desc, x_desc2, x_desc4, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty,
+                         block_rows_ptr, block_expert_ptr, first, step, num_tiles, num_n, N, w_row_groups, num_k, BM,
+                         BNH, GATE_UP, STAGES, GROUP, NARROW, MID, PERSISTENT)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 if GLUON_IMPORT_ERROR is None:
@@ -594,6 +771,10 @@ def _w_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
 
 
+def _s_layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
+
+
 def weight_descriptor(linear: quant.PackedLinear, bnh: int):
     """The stored tiles [E, N/32, K/64, 32, 32] seen as [E * N/32, K/64 * 32, 32] bytes: a box of
     bnh/32 x 32 x 32 is one step's 32 bytes of bnh consecutive columns."""
@@ -601,6 +782,13 @@ def weight_descriptor(linear: quant.PackedLinear, bnh: int):
     e, groups, blocks = packed.shape[0], packed.shape[1], packed.shape[2]
     view = packed.view(e * groups, blocks * 32, 32)
     return TensorDescriptor(view, list(view.shape), list(view.stride()), [bnh // 32, 32, 32], _w_layout())
+
+
+def scale_descriptor(linear: quant.PackedLinear, bnh: int):
+    """The scales [E, K / group, N] in boxes of 1 x 2 x bnh: a step's two groups (from its first
+    value on) of bnh consecutive columns."""
+    scales = linear.scales
+    return TensorDescriptor(scales, list(scales.shape), list(scales.stride()), [1, 2, bnh], _s_layout())
 
 
 def rows_descriptor(rows: torch.Tensor, bm: int):
@@ -624,15 +812,19 @@ class GluonHopperPath:
         self.block_rows = torch.empty_like(self.block_expert)
         self._buffers: dict[torch.dtype, dict] = {}
         self._weight_descs: dict[tuple, object] = {}
+        # The persistent tiles' grid: one program an SM (a block takes an SM's registers).
+        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
     def tiles(self, m: int) -> dict:
         return tiles_for(self.moe.layer, m)
 
     def weight_desc(self, which: str, bnc: int):
+        """The packed weights' and their scales' descriptors for GEMM1 ("g1") or GEMM2 with bnc
+        weight rows a consumer."""
         key = (which, bnc)
         if key not in self._weight_descs:
             linear = self.moe.weights.w13 if which == "g1" else self.moe.weights.w2
-            self._weight_descs[key] = weight_descriptor(linear, 2 * bnc)
+            self._weight_descs[key] = (weight_descriptor(linear, 2 * bnc), scale_descriptor(linear, 2 * bnc))
         return self._weight_descs[key]
 
     def buffers(self, dtype, bm: int):
@@ -671,6 +863,9 @@ class GluonHopperPath:
             narrow = tiles[which].get("narrow", 0)
             if narrow and (narrow & (narrow - 1) or narrow > bm):
                 raise ValueError(f"{which}'s narrow {narrow} is not 0 or a power of two up to bm {bm}")
+            if tiles[which].get("mid") and not (narrow and narrow <= bm // 4):
+                raise ValueError(f"{which}'s mid (the 3 bm / 4 wide body) needs a narrow of at most bm / 4 = {bm // 4}, "
+                                 f"not {narrow}")
         padded = tm._padded_rows(shape, m, bm)
         blocks = triton.cdiv(padded, bm)
         if padded > min(moe._max_padded, self.max_padded) or blocks > self.block_expert.numel():
@@ -693,13 +888,18 @@ class GluonHopperPath:
                 continue
             tile = tiles[which]
             bnh = 2 * tile["bnc"]
-            _ws_gemm_kernel[(blocks * (n // bnh),)](
-                buf[(rows, bm)], buf[(rows, bm // 2)], buf[(rows, bm // 4)], self.weight_desc(which, tile["bnc"]),
-                w.scales, out, topk_weights,
+            num_tiles = blocks * (n // bnh)
+            # Persistent (one program an SM, each taking every SM-count-th tile) or one program a tile.
+            programs = min(num_tiles, self.sm_count) if tile.get("persistent") else num_tiles
+            _ws_gemm_kernel[(programs,)](
+                buf[(rows, bm)], buf[(rows, bm // 2)], buf[(rows, bm // 4)], *self.weight_desc(which, tile["bnc"]),
+                out, topk_weights,
                 moe._sorted_slot, self.block_expert, self.block_rows,
-                k, n, w.scales.stride(0), w.scales.stride(1), out.stride(0), w.packed.shape[1],
+                blocks, k, n, out.stride(0), w.packed.shape[1],
                 BM=bm, BNC=tile["bnc"], GROUP=shape.group_size, GATE_UP=which == "g1", STAGES=tile["stages"],
                 CONSUMER_REGS=tile.get("consumer_regs", 232), PRODUCER_REGS=tile.get("producer_regs", 40),
-                BYTE_L=byte_layout(tile["bnc"]), NARROW=tile.get("narrow", 0), num_warps=4)
+                BYTE_L=byte_layout(tile["bnc"]), BYTE_T=byte_layout(tile["bnc"], transposed=True), NARROW=tile.get("narrow", 0), MID=bool(tile.get("mid", False)),
+                PERSISTENT=bool(tile.get("persistent", False)),
+                num_warps=4)
         moe._g2_split = 1
         return moe.topk_sum(x) if "sum" in stages else None

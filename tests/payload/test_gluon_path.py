@@ -78,11 +78,16 @@ def test_selection_by_slots_per_expert_and_by_the_switch():
 
 def test_narrowed_tiles_are_checked_before_any_launch():
     assert gluon_moe.TILES_BM128["g1"]["narrow"] == 32 and gluon_moe.TILES_BM128["g2"]["narrow"] == 32
+    # the 96-wide body in GEMM2 (in GEMM1 it spills: PERFORMANCE.md round 26)
+    assert gluon_moe.TILES_BM128["g2"]["mid"] and not gluon_moe.TILES_BM128["g1"].get("mid")
     path = gluon_moe.GluonHopperPath.__new__(gluon_moe.GluonHopperPath)
     path.moe = type("M", (), {"shape": SMALL})()
     bad = {"g1": dict(gluon_moe.TILES_BM128["g1"], narrow=48), "g2": gluon_moe.TILES_BM128["g2"]}
     x = torch.zeros((4, SMALL.hidden), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="narrow 48 is not 0 or a power of two"):
+        path.forward(x, None, None, tiles=bad)
+    bad = {"g1": gluon_moe.TILES_BM128["g1"], "g2": dict(gluon_moe.TILES_BM128["g2"], narrow=64)}
+    with pytest.raises(ValueError, match="g2's mid .* needs a narrow of at most bm / 4 = 32, not 64"):
         path.forward(x, None, None, tiles=bad)
 
 
@@ -195,17 +200,20 @@ def test_asked_off_by_the_caller():
 # On an sm_90 GPU: the real kernels
 # ---------------------------------------------------------------------------
 
+needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
+                                or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                                reason="needs an sm_90 GPU and compiled kernels (TRITON_INTERPRET=0)")
+
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
-                    or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
-                    reason="needs an sm_90 GPU and compiled kernels (TRITON_INTERPRET=0)")
-# 24, 50, 75 and 150 slots per expert: both tile sets, and bm128's blocks at MMA widths 64 (50),
-# 128 (75) and 128 with 32 in each expert's last block (150); and a layer whose K loops lap the
-# ring of stages many times (GEMM1 32 steps, GEMM2 16: each stage refilled while the consumers'
-# MMAs of the steps before it are still queued).
-@pytest.mark.parametrize("m,hidden,inter", [(96, 512, 256), (200, 512, 256), (300, 512, 256), (600, 512, 256),
-                                            (300, 2048, 1024)])
+@needs_sm90
+# 24, 50, 75, 88 and 150 slots per expert: both tile sets, and bm128's blocks at MMA widths 64
+# (50), 96 (a 64- and a 32-wide accumulator: most blocks at 75 and 88), 128 (the blocks over 96
+# rows at 88) and 128 with 32 in each expert's last block (150); and a layer whose K loops lap
+# the ring of stages many times (GEMM1 32 steps, GEMM2 16: each stage refilled while the
+# consumers' MMAs of the steps before it are still queued).
+@pytest.mark.parametrize("m,hidden,inter", [(96, 512, 256), (200, 512, 256), (300, 512, 256), (352, 512, 256),
+                                            (600, 512, 256), (300, 2048, 1024)])
 def test_gluon_kernels_on_the_gpu(m, hidden, inter, monkeypatch):
     monkeypatch.setenv("MOE_BENCH_GLUON", "force")
     shape = quant.MoEShape(experts=8, hidden=hidden, inter=inter, topk=2, group_size=32)
@@ -222,6 +230,31 @@ def test_gluon_kernels_on_the_gpu(m, hidden, inter, monkeypatch):
     assert cli.relative_error(out, reference_moe(weights, x, ids, wts)) < 1e-2
     x2, ids2, wts2 = cli.make_inputs(shape, m, torch.bfloat16, torch.device("cuda"), gen)  # fresh routing
     assert cli.relative_error(moe(x2, ids2, wts2), reference_moe(weights, x2, ids2, wts2)) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_sm90
+# Three programs for every tile of both GEMMs: each program's ring of stages runs on from one
+# tile into the next, across blocks of different MMA widths (32, 64, 96, 128) and past the
+# tiles of unused blocks; the result must be the one-program-a-tile result, bit for bit.
+@pytest.mark.parametrize("m,hidden,inter", [(300, 512, 256), (352, 512, 256), (600, 512, 256), (300, 2048, 1024)])
+def test_persistent_programs_give_the_one_program_a_tile_result(m, hidden, inter, monkeypatch):
+    monkeypatch.setenv("MOE_BENCH_GLUON", "force")
+    shape = quant.MoEShape(experts=8, hidden=hidden, inter=inter, topk=2, group_size=32)
+    weights = quant.random_weights(shape, "cuda", seed=2)
+    moe = tm.TritonW4A16MoE(weights, 1024)
+    assert moe.gluon_reason is None, moe.gluon_reason
+    path = moe._gluon
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x, ids, wts = cli.make_inputs(shape, m, torch.bfloat16, torch.device("cuda"), gen)
+    tiles = gluon_moe.tiles_for(shape, m)
+    one_each = {w: dict(tiles[w], persistent=False) for w in ("g1", "g2")}
+    expected = path.forward(x, ids, wts, tiles=one_each).clone()
+    path.sm_count = 3
+    out = path.forward(x, ids, wts, tiles={w: dict(tiles[w], persistent=True) for w in ("g1", "g2")})
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected), f"max difference {(out.float() - expected.float()).abs().max().item()}"
+    assert cli.relative_error(out, reference_moe(weights, x, ids, wts)) < 1e-2
 
 
 def test_the_gather_writes_each_block_in_operand_order():
