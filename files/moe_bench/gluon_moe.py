@@ -597,10 +597,6 @@ def _define_kernels():
         weight, per slot."""
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, NE, 16])
-        out_layout: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, 4], [0, 1])
-        offs_o = col0 + CID * BNC + gl.arange(0, BNC, layout=gl.SliceLayout(1, out_layout))
-        offs_m = gl.arange(0, NE, layout=gl.SliceLayout(0, out_layout))
-        row_ok = offs_m < rows_used
         if GATE_UP:
             # Stored from the accumulator's layout (no layout change through shared memory).
             h = (acc_g * (1.0 / (1.0 + gl.exp(-acc_g))) * acc_u).to(out_ptr.dtype.element_ty)
@@ -616,6 +612,10 @@ def _define_kernels():
         else:
             # Weighted and rounded in the accumulator's layout, so only bf16 values change layout
             # (at BM 128, BNC 128 the float32 conversion would not fit the registers).
+            out_layout: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, 4], [0, 1])
+            offs_o = col0 + CID * BNC + gl.arange(0, BNC, layout=gl.SliceLayout(1, out_layout))
+            offs_m = gl.arange(0, NE, layout=gl.SliceLayout(0, out_layout))
+            row_ok = offs_m < rows_used
             offs_w = gl.arange(0, NE, layout=gl.SliceLayout(0, mma_layout))
             w_ok = offs_w < rows_used
             weight = gl.load(topk_w_ptr + gl.load(sorted_slot_ptr + row0 + offs_w, mask=w_ok, other=0), mask=w_ok,
@@ -812,8 +812,9 @@ class GluonHopperPath:
         self.block_rows = torch.empty_like(self.block_expert)
         self._buffers: dict[torch.dtype, dict] = {}
         self._weight_descs: dict[tuple, object] = {}
-        # The persistent tiles' grid: one program an SM (a block takes an SM's registers).
-        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        # The persistent tiles' grid: one program an SM (a block takes an SM's registers), the SM
+        # count the backend read off the device (triton_moe.device_limits).
+        self.sm_count = moe.limits.sm_count if moe.limits is not None else 1
 
     def tiles(self, m: int) -> dict:
         return tiles_for(self.moe.layer, m)
