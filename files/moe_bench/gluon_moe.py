@@ -97,10 +97,13 @@ PATH_NAME = "gluon-hopper-ws"
 # SM-count-th tile, its ring of stages running on from one tile into the next, so the next
 # tile's first loads overlap the last one's epilogue (kimi-k2.6 M=2048, bm64: GEMM1 4%, GEMM2 6%
 # faster; the bm128 GEMM1 level or slower, its GEMM2 2-5% faster but spilling 8 B: PERFORMANCE.md
-# round 27); without it one program a tile.
+# round 27); without it one program a tile. The bm64 tiles narrowed to 16 (MMA widths 16, 32,
+# 64): at 16-32 slots per expert most blocks hold at most 32 rows, and the forward was 3-16%
+# faster than with every block 64 wide (kimi-k2.6 M=768-1536, deepseek-v3, qwen3-235b-a22b and
+# mixtral-8x7b at 24-32; PERFORMANCE.md round 28); a 48-wide body (MID) was level at 43-48.
 TILES_BM64 = {
-    "g1": dict(bm=64, bnc=64, stages=4, persistent=True),
-    "g2": dict(bm=64, bnc=128, stages=4, persistent=True),
+    "g1": dict(bm=64, bnc=64, stages=4, persistent=True, narrow=16),
+    "g2": dict(bm=64, bnc=128, stages=4, persistent=True, narrow=16),
 }
 TILES_BM128 = {
     "g1": dict(bm=128, bnc=64, stages=4, narrow=32),
@@ -112,27 +115,30 @@ TILES_BM128 = {
 # was 4-13% faster than bm64 on every preset measured, at 43 (kimi-k2.6 M=2048) 31% slower
 # (PERFORMANCE.md, round 22).
 GLUON_TILE_ROWS = [(48.0, TILES_BM64), (None, TILES_BM128)]
-# The smallest slots per expert at which this path can run (below it the plain-Triton rows
-# with block_m 16 or 32 pad less): where the shipped rule takes block_m 64 (see
-# triton_moe.SLOTS_PER_EXPERT_ROWS).
-MIN_SLOTS_PER_EXPERT = 24.0
+# The smallest slots per expert at which this path can run: below it most of an expert's block
+# would be padding even in the narrowest (16-wide) MMA, where the plain-Triton rows take 8
+# (block_m 8 rows, one-row kernels).
+MIN_SLOTS_PER_EXPERT = 8.0
 # K values per program of the gather (a multiple of 64: whole operand-order blocks).
 GATHER_BK = 128
 # The slots per expert from which the backend picks this path by itself (None: never). Measured
-# on one H200 against the plain-Triton rows (PERFORMANCE.md, rounds 22-24): with the narrowed
-# MMAs (TILES_BM128's "narrow") and the two-step consumer loop faster from 43 slots per expert on
-# every preset with a large intermediate (kimi-k2.6 M=2048 by 9%, M=2560 12%, deepseek-v3 M=1536
-# 2%, mixtral-8x7b M=192 18%, qwen3-235b-a22b M=768 level) and beyond (12-24% at 64); at 36-40
-# faster for kimi-k2.6 and mixtral-8x7b (8-15%), 2% slower for deepseek-v3 and qwen3-235b-a22b;
-# at 24-32 slower (round 22: kimi-k2.6 M=1152 by 25%, deepseek-v3 M=1024 11%).
+# against the plain-Triton rows, one CUDA graph of 8 forwards each (tools/path_compare.py,
+# PERFORMANCE.md round 28): with the bm64 tiles narrowed to 16, on the H200 faster at 16-48 slots
+# per expert on every preset with a large intermediate (kimi-k2.6 M=768 / 1024 / 1536 / 2048 by
+# 6 / 6 / 10 / 7%; at 24 and 32 deepseek-v3 8 / 11%, qwen3-235b-a22b 10 / 13%, mixtral-8x7b 24 /
+# 21%), and beyond (rounds 22-27: 7-24% at 43-64); on an H100 below 16: kimi-k2.6 faster from
+# 13 (6%), slower at 8-11 (3-12%), mixtral-8x7b faster from 8 (11-17%), deepseek-v3 and
+# qwen3-235b-a22b slower at 8-16 (3-5% at 16). 16 keeps the larger gains and gives up 3-5% on two
+# presets at exactly 16. Before round 28 (every bm64 block 64 wide) it was slower at 24-32 and
+# selected from 40.
 # MOE_BENCH_GLUON=force runs it wherever it can run (measurement and tuning), MOE_BENCH_GLUON=0 never.
-SELECT_SLOTS_PER_EXPERT: float | None = 40.0
+SELECT_SLOTS_PER_EXPERT: float | None = 16.0
 # ... and only where the layer's intermediate (GEMM2's K) is at least this wide: with kimi-k2.6's
 # --tp 8 shard (256: GEMM2 four K steps, GEMM1 two column tiles a block) the plain rows were
 # faster at 64 slots per expert (1307 against 1574 us) and as fast at 85 (PERFORMANCE.md, round 23).
 SELECT_MIN_INTER = 1024
 NOT_SELECTED = (f"not selected at this M: below {SELECT_SLOTS_PER_EXPERT:g} slots per expert the plain-Triton "
-                "kernels are as fast or faster on the H200 (PERFORMANCE.md, rounds 22-24); MOE_BENCH_GLUON=force runs it")
+                "kernels were as fast or faster (PERFORMANCE.md, rounds 22-24 and 28); MOE_BENCH_GLUON=force runs it")
 NOT_SELECTED_SHAPE = (f"not selected for this layer: with an intermediate under {SELECT_MIN_INTER} columns the "
                       "plain-Triton kernels are as fast or faster on the H200 (PERFORMANCE.md, round 23); "
                       "MOE_BENCH_GLUON=force runs it")

@@ -59,7 +59,7 @@ On an sm_90 GPU with Gluon, a third path exists for the tensor-core M range: moe
 (warp-specialised, copy-engine loads, warp-group MMAs), checked against this module's kernels
 on each tile set's first call and falling back to them on any failure (TritonW4A16MoE._gluon_runs);
 it is selected from gluon_moe.SELECT_SLOTS_PER_EXPERT slots per expert, where it measured faster
-(PERFORMANCE.md rounds 22-24; MOE_BENCH_GLUON=force runs it wherever it can run, =0 never).
+(PERFORMANCE.md rounds 22-24 and 28; MOE_BENCH_GLUON=force runs it wherever it can run, =0 never).
 
 From sm_90 every kernel of a forward launches with programmatic dependent launch (PDL): the
 next kernel's programs take the SMs the last programs of the one before leave idle and wait

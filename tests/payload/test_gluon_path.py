@@ -58,21 +58,21 @@ def test_a_shape_off_the_tiles_is_named():
 
 
 def test_selection_by_slots_per_expert_and_by_the_switch():
-    assert not gluon_moe.can_run_at(KIMI, 1024)  # 21 slots per expert: block_m 32 pads less
-    assert gluon_moe.can_run_at(KIMI, 1152)  # 24
-    assert gluon_moe.selected(KIMI, 1152, env={"MOE_BENCH_GLUON": "force"})
+    assert not gluon_moe.can_run_at(KIMI, 383)  # 7.98 slots per expert: mostly padding even 16 wide
+    assert gluon_moe.can_run_at(KIMI, 384)  # 8
+    assert gluon_moe.selected(KIMI, 384, env={"MOE_BENCH_GLUON": "force"})
     bound = gluon_moe.SELECT_SLOTS_PER_EXPERT
-    for m in (1152, 1536, 1920, 2048, 2560, 3072, 4096, 8192):
+    for m in (384, 512, 767, 768, 1024, 1152, 1536, 2048, 2560, 3072, 4096, 8192):
         spe = m * KIMI.topk / KIMI.experts
         assert gluon_moe.selected(KIMI, m, env={}) == (bound is not None and spe >= bound)
         reason = gluon_moe.not_selected_reason(KIMI, m, env={})
         assert reason == (None if spe >= bound else gluon_moe.NOT_SELECTED)
-    assert gluon_moe.selected(KIMI, 2048, env={}) and not gluon_moe.selected(KIMI, 1536, env={})  # 43, 32
+    assert gluon_moe.selected(KIMI, 768, env={}) and not gluon_moe.selected(KIMI, 767, env={})  # 16, 15.98
     # The --tp 8 shard's narrow intermediate: not selected at any M, and the reason names the layer.
     tp8 = presets.PRESETS["kimi-k2.6"].shape(8)
     assert tp8.inter < gluon_moe.SELECT_MIN_INTER
     assert gluon_moe.not_selected_reason(tp8, 8192, env={}) == gluon_moe.NOT_SELECTED_SHAPE
-    assert gluon_moe.not_selected_reason(tp8, 1024, env={}) == gluon_moe.NOT_SELECTED
+    assert gluon_moe.not_selected_reason(tp8, 512, env={}) == gluon_moe.NOT_SELECTED
     assert gluon_moe.selected(tp8, 8192, env={"MOE_BENCH_GLUON": "force"})
 
 
@@ -207,13 +207,14 @@ needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
 
 @pytest.mark.gpu
 @needs_sm90
-# 24, 50, 75, 88 and 150 slots per expert: both tile sets, and bm128's blocks at MMA widths 64
-# (50), 96 (a 64- and a 32-wide accumulator: most blocks at 75 and 88), 128 (the blocks over 96
-# rows at 88) and 128 with 32 in each expert's last block (150); and a layer whose K loops lap
-# the ring of stages many times (GEMM1 32 steps, GEMM2 16: each stage refilled while the
-# consumers' MMAs of the steps before it are still queued).
-@pytest.mark.parametrize("m,hidden,inter", [(96, 512, 256), (200, 512, 256), (300, 512, 256), (352, 512, 256),
-                                            (600, 512, 256), (300, 2048, 1024)])
+# 10, 24, 44, 50, 75, 88 and 150 slots per expert: both tile sets; bm64's blocks at MMA widths 16
+# (10), 32 (24) and 64 (44: blocks of 33-49 rows); bm128's at widths 64 (50), 96 (a 64- and a
+# 32-wide accumulator: most blocks at 75 and 88), 128 (the blocks over 96 rows at 88) and 128 with
+# 32 in each expert's last block (150); and a layer whose K loops lap the ring of stages many
+# times (GEMM1 32 steps, GEMM2 16: each stage refilled while the consumers' MMAs of the steps
+# before it are still queued).
+@pytest.mark.parametrize("m,hidden,inter", [(40, 512, 256), (96, 512, 256), (176, 512, 256), (200, 512, 256),
+                                            (300, 512, 256), (352, 512, 256), (600, 512, 256), (300, 2048, 1024)])
 def test_gluon_kernels_on_the_gpu(m, hidden, inter, monkeypatch):
     monkeypatch.setenv("MOE_BENCH_GLUON", "force")
     shape = quant.MoEShape(experts=8, hidden=hidden, inter=inter, topk=2, group_size=32)
@@ -235,9 +236,10 @@ def test_gluon_kernels_on_the_gpu(m, hidden, inter, monkeypatch):
 @pytest.mark.gpu
 @needs_sm90
 # Three programs for every tile of both GEMMs: each program's ring of stages runs on from one
-# tile into the next, across blocks of different MMA widths (32, 64, 96, 128) and past the
+# tile into the next, across blocks of different MMA widths (16, 32, 64, 96, 128) and past the
 # tiles of unused blocks; the result must be the one-program-a-tile result, bit for bit.
-@pytest.mark.parametrize("m,hidden,inter", [(300, 512, 256), (352, 512, 256), (600, 512, 256), (300, 2048, 1024)])
+@pytest.mark.parametrize("m,hidden,inter", [(96, 512, 256), (176, 512, 256), (300, 512, 256), (352, 512, 256),
+                                            (600, 512, 256), (300, 2048, 1024)])
 def test_persistent_programs_give_the_one_program_a_tile_result(m, hidden, inter, monkeypatch):
     monkeypatch.setenv("MOE_BENCH_GLUON", "force")
     shape = quant.MoEShape(experts=8, hidden=hidden, inter=inter, topk=2, group_size=32)
