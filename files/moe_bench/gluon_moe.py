@@ -128,8 +128,8 @@ GATHER_BK = 128
 # 6 / 6 / 10 / 7%; at 24 and 32 deepseek-v3 8 / 11%, qwen3-235b-a22b 10 / 13%, mixtral-8x7b 24 /
 # 21%), and beyond (rounds 22-27: 7-24% at 43-64); on an H100 below 16: kimi-k2.6 faster from
 # 13 (6%), slower at 8-11 (3-12%), mixtral-8x7b faster from 8 (11-17%), deepseek-v3 and
-# qwen3-235b-a22b slower at 8-16 (3-5% at 16). 16 keeps the larger gains and gives up 3-5% on two
-# presets at exactly 16. Before round 28 (every bm64 block 64 wide) it was slower at 24-32 and
+# qwen3-235b-a22b slower at 8-20 (2-5% at 16-20). 16 keeps the larger gains and gives up 2-5% on
+# two presets at 16-20. Before round 28 (every bm64 block 64 wide) it was slower at 24-32 and
 # selected from 40.
 # MOE_BENCH_GLUON=force runs it wherever it can run (measurement and tuning), MOE_BENCH_GLUON=0 never.
 SELECT_SLOTS_PER_EXPERT: float | None = 16.0
