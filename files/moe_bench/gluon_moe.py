@@ -115,9 +115,9 @@ TILES_BM128 = {
 # was 4-13% faster than bm64 on every preset measured, at 43 (kimi-k2.6 M=2048) 31% slower
 # (PERFORMANCE.md, round 22).
 GLUON_TILE_ROWS = [(48.0, TILES_BM64), (None, TILES_BM128)]
-# The smallest slots per expert at which this path can run: below it most of an expert's block
-# would be padding even in the narrowest (16-wide) MMA, where the plain-Triton rows take 8
-# (block_m 8 rows, one-row kernels).
+# The smallest slots per expert at which this path can run (MOE_BENCH_GLUON=force): below it
+# most of an expert's block would be padding even in the narrowest (16-wide) MMA. (Where the
+# plain-Triton rule takes the one-row or block_m 8 kernels, this path never runs.)
 MIN_SLOTS_PER_EXPERT = 8.0
 # K values per program of the gather (a multiple of 64: whole operand-order blocks).
 GATHER_BK = 128
