@@ -133,15 +133,35 @@ GATHER_BK = 128
 # selected from 40.
 # MOE_BENCH_GLUON=force runs it wherever it can run (measurement and tuning), MOE_BENCH_GLUON=0 never.
 SELECT_SLOTS_PER_EXPERT: float | None = 16.0
+# ... and from SELECT_SLOTS_PER_EXPERT_WIDE on layers whose intermediate is at least
+# SELECT_WIDE_INTER (mixtral-8x7b's 14336: GEMM1 224 column tiles of 128 a block, GEMM2's K 14336).
+# There the path was faster than the plain rows at every slots per expert it can run at: on an
+# H100, mixtral-8x7b M=32 / 48 / 64 (8 / 12 / 16) by 11 / 13 / 17% (round 28) and M=32 / 48 by
+# 11 / 13% again (round 29), where the layers with an intermediate of 1536-2048 were level or
+# slower below 16-24 slots per expert (PERFORMANCE.md rounds 28-29).
+SELECT_WIDE_INTER = 8192
+SELECT_SLOTS_PER_EXPERT_WIDE: float | None = 8.0
 # ... and only where the layer's intermediate (GEMM2's K) is at least this wide: with kimi-k2.6's
 # --tp 8 shard (256: GEMM2 four K steps, GEMM1 two column tiles a block) the plain rows were
 # faster at 64 slots per expert (1307 against 1574 us) and as fast at 85 (PERFORMANCE.md, round 23).
 SELECT_MIN_INTER = 1024
-NOT_SELECTED = (f"not selected at this M: below {SELECT_SLOTS_PER_EXPERT:g} slots per expert the plain-Triton "
-                "kernels were as fast or faster (PERFORMANCE.md, rounds 22-24 and 28); MOE_BENCH_GLUON=force runs it")
+NOT_SELECTED = ("not selected at this M: below {bound:g} slots per expert on this layer the plain-Triton "
+                "kernels were as fast or faster (PERFORMANCE.md, rounds 22-24 and 28-29); MOE_BENCH_GLUON=force runs it")
+NOT_SELECTED_NEVER = "not selected by default (SELECT_SLOTS_PER_EXPERT is None); MOE_BENCH_GLUON=force runs it"
 NOT_SELECTED_SHAPE = (f"not selected for this layer: with an intermediate under {SELECT_MIN_INTER} columns the "
                       "plain-Triton kernels are as fast or faster on the H200 (PERFORMANCE.md, round 23); "
                       "MOE_BENCH_GLUON=force runs it")
+
+
+def select_slots_per_expert(shape: quant.MoEShape) -> float | None:
+    """The slots per expert from which the path is picked on this layer (None: never, unless
+    forced): SELECT_SLOTS_PER_EXPERT, or SELECT_SLOTS_PER_EXPERT_WIDE on a layer with an
+    intermediate of at least SELECT_WIDE_INTER."""
+    if SELECT_SLOTS_PER_EXPERT is None:
+        return None
+    if shape.inter >= SELECT_WIDE_INTER and SELECT_SLOTS_PER_EXPERT_WIDE is not None:
+        return min(SELECT_SLOTS_PER_EXPERT, SELECT_SLOTS_PER_EXPERT_WIDE)
+    return SELECT_SLOTS_PER_EXPERT
 
 
 def slots_per_expert(shape: quant.MoEShape, m: int) -> float:
@@ -232,13 +252,16 @@ def can_run_at(shape: quant.MoEShape, m: int) -> bool:
 
 def not_selected_reason(shape: quant.MoEShape, m: int, env: dict | None = None) -> str | None:
     """Why the path is not picked at this M where it can run (None: it is): below
-    SELECT_SLOTS_PER_EXPERT slots per expert or SELECT_MIN_INTER intermediate columns, unless
-    MOE_BENCH_GLUON=force."""
+    the layer's slots per expert (select_slots_per_expert) or SELECT_MIN_INTER intermediate
+    columns, unless MOE_BENCH_GLUON=force."""
     env = os.environ if env is None else env
     if env.get("MOE_BENCH_GLUON", "") == "force":
         return None
-    if SELECT_SLOTS_PER_EXPERT is None or slots_per_expert(shape, m) < SELECT_SLOTS_PER_EXPERT:
-        return NOT_SELECTED
+    bound = select_slots_per_expert(shape)
+    if bound is None:
+        return NOT_SELECTED_NEVER
+    if slots_per_expert(shape, m) < bound:
+        return NOT_SELECTED.format(bound=bound)
     if shape.inter < SELECT_MIN_INTER:
         return NOT_SELECTED_SHAPE
     return None

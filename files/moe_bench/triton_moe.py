@@ -58,8 +58,9 @@ A nibble u becomes a number without an integer conversion: written under the bf1
 On an sm_90 GPU with Gluon, a third path exists for the tensor-core M range: moe_bench.gluon_moe
 (warp-specialised, copy-engine loads, warp-group MMAs), checked against this module's kernels
 on each tile set's first call and falling back to them on any failure (TritonW4A16MoE._gluon_runs);
-it is selected from gluon_moe.SELECT_SLOTS_PER_EXPERT slots per expert, where it measured faster
-(PERFORMANCE.md rounds 22-24 and 28; MOE_BENCH_GLUON=force runs it wherever it can run, =0 never).
+it is selected from gluon_moe.select_slots_per_expert(layer) slots per expert (16; 8 on a layer
+with an intermediate of at least 8192), where it measured faster (PERFORMANCE.md rounds 22-24 and
+28-29; MOE_BENCH_GLUON=force runs it wherever it can run, =0 never).
 
 From sm_90 every kernel of a forward launches with programmatic dependent launch (PDL): the
 next kernel's programs take the SMs the last programs of the one before leave idle and wait

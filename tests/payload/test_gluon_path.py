@@ -62,18 +62,40 @@ def test_selection_by_slots_per_expert_and_by_the_switch():
     assert gluon_moe.can_run_at(KIMI, 384)  # 8
     assert gluon_moe.selected(KIMI, 384, env={"MOE_BENCH_GLUON": "force"})
     bound = gluon_moe.SELECT_SLOTS_PER_EXPERT
+    assert gluon_moe.select_slots_per_expert(KIMI) == bound
     for m in (384, 512, 767, 768, 1024, 1152, 1536, 2048, 2560, 3072, 4096, 8192):
         spe = m * KIMI.topk / KIMI.experts
         assert gluon_moe.selected(KIMI, m, env={}) == (bound is not None and spe >= bound)
         reason = gluon_moe.not_selected_reason(KIMI, m, env={})
-        assert reason == (None if spe >= bound else gluon_moe.NOT_SELECTED)
+        assert reason == (None if spe >= bound else gluon_moe.NOT_SELECTED.format(bound=bound))
+        assert reason is None or f"below {bound:g} slots per expert" in reason
     assert gluon_moe.selected(KIMI, 768, env={}) and not gluon_moe.selected(KIMI, 767, env={})  # 16, 15.98
     # The --tp 8 shard's narrow intermediate: not selected at any M, and the reason names the layer.
     tp8 = presets.PRESETS["kimi-k2.6"].shape(8)
     assert tp8.inter < gluon_moe.SELECT_MIN_INTER
     assert gluon_moe.not_selected_reason(tp8, 8192, env={}) == gluon_moe.NOT_SELECTED_SHAPE
-    assert gluon_moe.not_selected_reason(tp8, 512, env={}) == gluon_moe.NOT_SELECTED
+    assert gluon_moe.not_selected_reason(tp8, 512, env={}) == gluon_moe.NOT_SELECTED.format(bound=bound)
     assert gluon_moe.selected(tp8, 8192, env={"MOE_BENCH_GLUON": "force"})
+
+
+def test_a_wide_layer_selects_the_path_from_fewer_slots_per_expert():
+    """mixtral-8x7b (intermediate 14336) from SELECT_SLOTS_PER_EXPERT_WIDE, the narrower presets
+    from SELECT_SLOTS_PER_EXPERT; the reason names the bound of the layer it is given."""
+    mixtral = presets.PRESETS["mixtral-8x7b"].shape()
+    wide = gluon_moe.SELECT_SLOTS_PER_EXPERT_WIDE
+    assert mixtral.inter >= gluon_moe.SELECT_WIDE_INTER > KIMI.inter
+    assert wide < gluon_moe.SELECT_SLOTS_PER_EXPERT and gluon_moe.select_slots_per_expert(mixtral) == wide
+    first = int(wide * mixtral.experts / mixtral.topk)  # M=32: 8 slots per expert
+    assert gluon_moe.selected(mixtral, first, env={}) and gluon_moe.can_run_at(mixtral, first)
+    assert gluon_moe.not_selected_reason(mixtral, first - 1, env={}) == gluon_moe.NOT_SELECTED.format(bound=wide)
+    assert "below 8 slots per expert on this layer" in gluon_moe.not_selected_reason(mixtral, first - 1, env={})
+    for name in ("deepseek-v3", "qwen3-235b-a22b", "kimi-k2.6"):
+        shape = presets.PRESETS[name].shape()
+        assert shape.inter < gluon_moe.SELECT_WIDE_INTER
+        m = int(wide * shape.experts / shape.topk)  # 8 slots per expert: not selected on these layers
+        assert not gluon_moe.selected(shape, m, env={}) and gluon_moe.can_run_at(shape, m)
+    # A layer exactly at the width is a wide one.
+    assert gluon_moe.select_slots_per_expert(quant.MoEShape(8, 4096, gluon_moe.SELECT_WIDE_INTER, 2, 32)) == wide
 
 
 def test_narrowed_tiles_are_checked_before_any_launch():
@@ -183,12 +205,12 @@ def test_selected_by_default_only_from_its_slots_per_expert_and_the_results_say_
     moe(x, ids, wts)
     assert moe._gluon.calls == 0
     used = moe.configs_used(M)
-    assert used["path"] == "tensor-core" and used["gluon_fallback"] == gluon_moe.NOT_SELECTED
+    assert used["path"] == "tensor-core" and used["gluon_fallback"] == gluon_moe.NOT_SELECTED.format(bound=33)
     monkeypatch.setattr(gluon_moe, "SELECT_SLOTS_PER_EXPERT", 32.0)
     moe(x, ids, wts)
     assert moe._gluon.calls == 1 and moe.configs_used(M)["path"] == gluon_moe.PATH_NAME
     monkeypatch.setattr(gluon_moe, "SELECT_SLOTS_PER_EXPERT", None)  # never, unless forced
-    assert moe.configs_used(M)["gluon_fallback"] == gluon_moe.NOT_SELECTED
+    assert moe.configs_used(M)["gluon_fallback"] == gluon_moe.NOT_SELECTED_NEVER
 
 
 def test_asked_off_by_the_caller():
@@ -231,6 +253,32 @@ def test_gluon_kernels_on_the_gpu(m, hidden, inter, monkeypatch):
     assert cli.relative_error(out, reference_moe(weights, x, ids, wts)) < 1e-2
     x2, ids2, wts2 = cli.make_inputs(shape, m, torch.bfloat16, torch.device("cuda"), gen)  # fresh routing
     assert cli.relative_error(moe(x2, ids2, wts2), reference_moe(weights, x2, ids2, wts2)) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_a_wide_layer_runs_the_path_by_default_from_8_slots_per_expert(monkeypatch):
+    """Not forced: at M=32 (8 slots per expert) a layer with an intermediate of SELECT_WIDE_INTER
+    runs the Gluon path (compiled, checked, right against the reference on two routings) and a
+    narrower one the plain rows, whose results name the bound."""
+    monkeypatch.delenv("MOE_BENCH_GLUON", raising=False)
+    m = 32
+    for inter, path in ((gluon_moe.SELECT_WIDE_INTER, gluon_moe.PATH_NAME), (gluon_moe.SELECT_WIDE_INTER // 2, "tensor-core")):
+        shape = quant.MoEShape(experts=8, hidden=512, inter=inter, topk=2, group_size=32)
+        weights = quant.random_weights(shape, "cuda", seed=4)
+        moe = tm.TritonW4A16MoE(weights, 256)
+        gen = torch.Generator(device="cuda").manual_seed(inter)
+        for _ in range(2):  # the second on a fresh routing
+            x, ids, wts = cli.make_inputs(shape, m, torch.bfloat16, torch.device("cuda"), gen)
+            out = cli.poisoned_call(moe, x, ids, wts, shape.hidden)
+            assert cli.relative_error(out, reference_moe(weights, x, ids, wts)) < 1e-2
+        assert moe.gluon_reason is None, moe.gluon_reason
+        used = moe.configs_used(m)
+        assert used["path"] == path, (inter, used)
+        if path == gluon_moe.PATH_NAME:
+            assert used["gluon"]["checked"]  # its first call was checked against the plain rows
+        else:
+            assert used["gluon_fallback"] == gluon_moe.NOT_SELECTED.format(bound=gluon_moe.SELECT_SLOTS_PER_EXPERT)
 
 
 @pytest.mark.gpu
