@@ -160,7 +160,7 @@ def select_slots_per_expert(shape: quant.MoEShape) -> float | None:
     if SELECT_SLOTS_PER_EXPERT is None:
         return None
     if shape.inter >= SELECT_WIDE_INTER and SELECT_SLOTS_PER_EXPERT_WIDE is not None:
-        return min(SELECT_SLOTS_PER_EXPERT, SELECT_SLOTS_PER_EXPERT_WIDE)
+        return SELECT_SLOTS_PER_EXPERT_WIDE
     return SELECT_SLOTS_PER_EXPERT
 
 
