@@ -183,7 +183,7 @@ def compile_gluon(which: str, tile: dict, group: int = 32, *, target=None):
     constants = dict(BM=tile["bm"], BNC=tile["bnc"], GROUP=group, GATE_UP=which == "g1", STAGES=tile["stages"],
                      CONSUMER_REGS=tile.get("consumer_regs", 232), PRODUCER_REGS=tile.get("producer_regs", 40),
                      BYTE_L=gluon_moe.byte_layout(tile["bnc"]), BYTE_T=gluon_moe.byte_layout(tile["bnc"], transposed=True),
-                     NARROW=tile.get("narrow", 0), MID=bool(tile.get("mid", False)),
+                     NARROW=tile.get("narrow", 0), MID=bool(tile.get("mid", False)), UNROLL=int(tile.get("unroll", gluon_moe.UNROLL)),
                      PERSISTENT=bool(tile.get("persistent", False)))
     for name in constants:
         signature[name] = "constexpr"
@@ -312,11 +312,13 @@ def portability_jobs(archs: list[int], shapes) -> list[dict]:
             if gluon_moe.shape_unavailable_reason(shape) is not None:
                 continue
             for tiles in gluon_moe.tile_sets():
-                for which in ("g1", "g2"):
-                    key = json.dumps(dict(arch=arch, gluon=which, tile=tiles[which], group=shape.group_size),
+                for which, k in (("g1", shape.hidden), ("g2", shape.inter)):
+                    # (the K steps a turn the launch picks for this K)
+                    tile = dict(tiles[which], unroll=gluon_moe.unroll_for(tiles[which], k))
+                    key = json.dumps(dict(arch=arch, gluon=which, tile=tile, group=shape.group_size),
                                      sort_keys=True)
                     if key not in seen:
-                        seen[key] = dict(arch=arch, gluon=which, tile=tiles[which], group=shape.group_size,
+                        seen[key] = dict(arch=arch, gluon=which, tile=tile, group=shape.group_size,
                                          used_by=[])
                         jobs.append(seen[key])
                     seen[key]["used_by"].append(f"{shape_label} (Gluon path)")
@@ -355,7 +357,7 @@ def check_gluon_job(job: dict) -> dict:
     arch, limits = job["arch"], ARCHS[job["arch"]]
     tile = job["tile"]
     label = (f"sm_{arch} GEMM{job['gluon'][1]} Gluon warp-specialised bm{tile['bm']},bnc={tile['bnc']},"
-             f"stages={tile['stages']}")
+             f"stages={tile['stages']},unroll={tile.get('unroll', gluon_moe.UNROLL)}")
     reason = gluon_moe.path_unavailable_reason(limits.capability, gluon_moe.api_error(), env={})
     if reason is not None:
         return dict(label=label, used_by=job["used_by"], problems=[], notes=[f"not applicable: {reason}"],

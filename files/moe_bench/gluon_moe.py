@@ -37,13 +37,16 @@ weights, all of one 32-value scale group, so one scale per row and step), conver
 4-byte word with 15 instructions (_WORD_PTX: nibble to bf16 under the exponent of 128, minus
 136, times the scale), relabels K so that the registers already are the warp-group MMA's
 register operand (no data movement: the conversion's assert_trivial), and issues the MMAs with
-the activations from shared memory. The K loop takes two steps a turn (_consume): step i's
-MMAs run while step i + 1's weights are converted, step i + 1's MMAs are queued behind them at
-once, and while those run step i's alone are waited for, its stage released and step i + 2's
-weights converted into the registers step i read; so the two operand sets take turns without
-register copies and a conversion never waits for the MMAs it does not feed (with one wait
-per step for all of a step's MMAs, the compiler put each conversion after the wait: no overlap,
-PERFORMANCE.md round 24). The epilogue: GEMM1 stores SiLU(gate) * up from the accumulator's
+the activations from shared memory. The K loop (_consume) takes the tile's UNROLL steps a
+turn. At one (the bm64 tiles) each step is converted, its MMAs issued and waited for and its
+stage released before the next: a warp group's conversions run beside the other consumer's
+MMAs, not its own, and each stage is held for the least time (PERFORMANCE.md round 30). From
+two (the bm128 tiles) it is software-pipelined on two operand sets: step i's MMAs run while step
+i + 1's weights are converted, step i + 1's MMAs are queued behind them at once, and while those
+run step i's alone are waited for, its stage released and step i + 2's weights converted into
+the registers step i read (round 24); the turn ends with a wait for all its MMAs (MMAs in flight
+across the back edge make ptxas serialise every one), and ptxas places most of the conversion
+before that wait after it (round 30). The epilogue: GEMM1 stores SiLU(gate) * up from the accumulator's
 layout (no layout change through shared memory: with one the bm128 tile spilled under the
 tile loop, and 16 B under Triton 3.6 without it), GEMM2 weights and rounds in that layout and
 stores through a layout change (stored from it, its 128 x 128 pointers spilled).
@@ -101,9 +104,17 @@ PATH_NAME = "gluon-hopper-ws"
 # 64): at 16-32 slots per expert most blocks hold at most 32 rows, and the forward was 3-16%
 # faster than with every block 64 wide (kimi-k2.6 M=768-1536, deepseek-v3, qwen3-235b-a22b and
 # mixtral-8x7b at 24-32; PERFORMANCE.md round 28); a 48-wide body (MID) was level at 43-48.
+# UNROLL (a tile's "unroll"): the K steps a turn of the consumers' loop (_consume), 1, 2, 4 or
+# 8. The bm64 tiles take one step a turn (each step's MMAs waited for before the next step's
+# conversion): on an H100 the forward was 2-5% faster than at two steps a turn at 16-48 slots
+# per expert on kimi-k2.6, qwen3-235b-a22b and mixtral-8x7b (level on deepseek-v3 and kimi-k2.6
+# M=1024-2048 in one of two readings), GEMM1 alone at kimi-k2.6 M=768 4% faster with the
+# memory 80% busy instead of 77% (its stages held for less time); four and eight steps a turn
+# were 2-13% slower, and the bm128 tiles at one step 4% slower at M=3072 (PERFORMANCE.md
+# round 30).
 TILES_BM64 = {
-    "g1": dict(bm=64, bnc=64, stages=4, persistent=True, narrow=16),
-    "g2": dict(bm=64, bnc=128, stages=4, persistent=True, narrow=16),
+    "g1": dict(bm=64, bnc=64, stages=4, persistent=True, narrow=16, unroll=1),
+    "g2": dict(bm=64, bnc=128, stages=4, persistent=True, narrow=16, unroll=1),
 }
 TILES_BM128 = {
     "g1": dict(bm=128, bnc=64, stages=4, narrow=32),
@@ -115,6 +126,8 @@ TILES_BM128 = {
 # was 4-13% faster than bm64 on every preset measured, at 43 (kimi-k2.6 M=2048) 31% slower
 # (PERFORMANCE.md, round 22).
 GLUON_TILE_ROWS = [(48.0, TILES_BM64), (None, TILES_BM128)]
+# K steps a turn of the consumers' loop where a tile does not say (unroll_for).
+UNROLL = 2
 # The smallest slots per expert at which this path can run (MOE_BENCH_GLUON=force): below it
 # most of an expert's block would be padding even in the narrowest (16-wide) MMA. (Where the
 # plain-Triton rule takes the one-row or block_m 8 kernels, this path never runs.)
@@ -347,6 +360,18 @@ _WORD_PTX = (
     "fma.rn.bf16x2 $3, d, $5, mz; }")
 
 
+def unroll_for(tile: dict, k: int) -> int:
+    """The K steps a turn of the consumers' loop for a GEMM with this K: the tile's "unroll"
+    (UNROLL where it does not say; a power of two), halved until it divides the K / 64 steps
+    (an even number, shape_unavailable_reason: from 2 it stops at 2 at the latest)."""
+    unroll = tile.get("unroll", UNROLL)
+    if not isinstance(unroll, int) or unroll < 1 or unroll & (unroll - 1):
+        raise ValueError(f"unroll {unroll} is not a power of two (1, 2, 4, ...)")
+    while (k // 64) % unroll:
+        unroll //= 2
+    return unroll
+
+
 def byte_layout(rows: int, transposed: bool = False):
     """The layout a consumer warp group loads its [rows, 2, 16] packed bytes in (per row: the
     step's 32 bytes as two 16-byte chunks, one scale group each): each thread holds 8
@@ -368,7 +393,7 @@ def byte_layout(rows: int, transposed: bool = False):
 def _define_kernels():
     """The Gluon kernels, defined only where Gluon imports (a version whose names differ
     leaves GLUON_IMPORT_ERROR saying so instead of failing the payload's import)."""
-    global _tma_load, _WORD, _convert, _mmas, _weights, _stage_scales, _producer, _producer_at, _produce_tile, _produce, _consumer, _consumer_at, _consume_tile, _consume, _consumer_0, _consumer_1, _ws_gemm_kernel
+    global _tma_load, _WORD, _convert, _mmas, _wait, _weights, _stage_scales, _producer, _producer_at, _produce_tile, _produce, _consumer, _consumer_at, _consume_tile, _consume, _consumer_0, _consumer_1, _ws_gemm_kernel
     # The copy-engine load is tma.async_copy_global_to_shared in Triton 3.6, tma.async_load later.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _WORD = gl.constexpr(_WORD_PTX)
@@ -560,24 +585,24 @@ def _define_kernels():
                   block_rows_ptr, first, step, num_tiles, num_n, CID: gl.constexpr, BM: gl.constexpr,
                   BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
                   BYTE_L: gl.constexpr, BYTE_T: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr,
-                  PERSISTENT: gl.constexpr):
+                  PERSISTENT: gl.constexpr, UNROLL: gl.constexpr):
         """A consumer warp group's tiles, as _producer takes them."""
         if PERSISTENT:
             base = 0
             for t in range(first, num_tiles, step):
                 base = _consumer_at(x_bufs, w_bufs, ready, empty, s_bufs, num_k, out_ptr, stride_om, topk_w_ptr,
                                     sorted_slot_ptr, block_rows_ptr, t, base, num_n, CID, BM, BNC, GROUP, GATE_UP,
-                                    STAGES, BYTE_L, BYTE_T, NARROW, MID)
+                                    STAGES, BYTE_L, BYTE_T, NARROW, MID, UNROLL)
         else:
             _consumer_at(x_bufs, w_bufs, ready, empty, s_bufs, num_k, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr,
                          block_rows_ptr, first, 0, num_n, CID, BM, BNC, GROUP, GATE_UP, STAGES, BYTE_L, BYTE_T, NARROW,
-                         MID)
+                         MID, UNROLL)
 
     @gluon.jit
     def _consumer_at(x_bufs, w_bufs, ready, empty, s_bufs, num_k, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr,
                      block_rows_ptr, t, base, num_n, CID: gl.constexpr, BM: gl.constexpr, BNC: gl.constexpr,
                      GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr, BYTE_L: gl.constexpr,
-                     BYTE_T: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr):
+                     BYTE_T: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr, UNROLL: gl.constexpr):
         """Tile t with its steps from ring position base on (nothing for a tile past the used
         blocks); the ring position after it."""
         pid_b = t // num_n
@@ -585,14 +610,15 @@ def _define_kernels():
         if rows_used > 0:
             _consume_tile(x_bufs, w_bufs, ready, empty, s_bufs, base, num_k, out_ptr, stride_om, topk_w_ptr,
                           sorted_slot_ptr, pid_b * BM, rows_used, (t % num_n) * (2 * BNC), CID, BM, BNC, GROUP,
-                          GATE_UP, STAGES, BYTE_L, BYTE_T, NARROW, MID)
+                          GATE_UP, STAGES, BYTE_L, BYTE_T, NARROW, MID, UNROLL)
         return base + num_k * (rows_used > 0).to(gl.int32)
 
     @gluon.jit
     def _consume_tile(x_bufs, w_bufs, ready, empty, s_bufs, base, num_k, out_ptr, stride_om,
                       topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID: gl.constexpr, BM: gl.constexpr,
                       BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr,
-                      BYTE_L: gl.constexpr, BYTE_T: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr):
+                      BYTE_L: gl.constexpr, BYTE_T: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr,
+                      UNROLL: gl.constexpr):
         """A consumer's block: its MMAs as wide as the block's rows need. NARROW > 0 (a power of
         two): the rows used rounded up to NARROW, 2 NARROW, 4 NARROW, ... BM (a tensor's sizes
         are powers of two), each width its own compiled body; MID (with NARROW <= BM / 4): also
@@ -601,7 +627,7 @@ def _define_kernels():
         if NARROW == 0:
             _consume(x_bufs, w_bufs, ready, empty, s_bufs, base, num_k, out_ptr, stride_om,
                      topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID, BM, 0, BNC, GROUP, GATE_UP, STAGES,
-                     BYTE_L, BYTE_T)
+                     BYTE_L, BYTE_T, UNROLL)
         else:
             MID_ON: gl.constexpr = MID & (NARROW <= BM // 4)
             for j in gl.static_range(BM.bit_length() - NARROW.bit_length() + 1):
@@ -611,12 +637,12 @@ def _define_kernels():
                         | (j == 0)) & (rows_used <= (NARROW << j)):
                     _consume(x_bufs, w_bufs, ready, empty, s_bufs, base, num_k, out_ptr,
                              stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID, NARROW << j, 0,
-                             BNC, GROUP, GATE_UP, STAGES, BYTE_L, BYTE_T)
+                             BNC, GROUP, GATE_UP, STAGES, BYTE_L, BYTE_T, UNROLL)
             if MID_ON:
                 if (rows_used > BM // 2) & (rows_used <= 3 * BM // 4):
                     _consume(x_bufs, w_bufs, ready, empty, s_bufs, base, num_k, out_ptr,
                              stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID, BM // 2, BM // 4,
-                             BNC, GROUP, GATE_UP, STAGES, BYTE_L, BYTE_T)
+                             BNC, GROUP, GATE_UP, STAGES, BYTE_L, BYTE_T, UNROLL)
 
     @gluon.jit
     def _epilogue(acc_g, acc_u, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0,
@@ -654,10 +680,29 @@ def _define_kernels():
             gl.store(out_ptr + slot.to(gl.int64)[None, :] * stride_om + offs_o[:, None], o, mask=row_ok[None, :])
 
     @gluon.jit
+    def _wait(acc_g, acc_u, acc_g2, acc_u2, o0, o1, o2, o3, N: gl.constexpr, GATE_UP: gl.constexpr,
+              BM2: gl.constexpr):
+        """warpgroup_mma_wait(N) over the accumulators in use and one operand set (GEMM2: the
+        first two; the up operands are placeholders there)."""
+        if GATE_UP:
+            if BM2 > 0:
+                acc_g, acc_u, acc_g2, acc_u2, o0, o1, o2, o3 = warpgroup_mma_wait(
+                    num_outstanding=N, deps=(acc_g, acc_u, acc_g2, acc_u2, o0, o1, o2, o3))
+            else:
+                acc_g, acc_u, o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=N,
+                                                                  deps=(acc_g, acc_u, o0, o1, o2, o3))
+        else:
+            if BM2 > 0:
+                acc_g, acc_g2, o0, o1 = warpgroup_mma_wait(num_outstanding=N, deps=(acc_g, acc_g2, o0, o1))
+            else:
+                acc_g, o0, o1 = warpgroup_mma_wait(num_outstanding=N, deps=(acc_g, o0, o1))
+        return acc_g, acc_u, acc_g2, acc_u2, o0, o1, o2, o3
+
+    @gluon.jit
     def _consume(x_bufs, w_bufs, ready, empty, s_bufs, base, num_k, out_ptr, stride_om,
                  topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID: gl.constexpr, BM: gl.constexpr,
                  BM2: gl.constexpr, BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr,
-                 STAGES: gl.constexpr, BYTE_L: gl.constexpr, BYTE_T: gl.constexpr):
+                 STAGES: gl.constexpr, BYTE_L: gl.constexpr, BYTE_T: gl.constexpr, UNROLL: gl.constexpr):
         """The consumer's K loop and epilogue on the first BM rows of its block (the MMA's N), and
         where BM2 > 0 on the BM2 rows after them too (a second pair of accumulators)."""
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -673,50 +718,62 @@ def _define_kernels():
         acc_u = gl.zeros([BNC, BM], gl.float32, mma_layout)
         acc_g2 = gl.zeros([BNC, BM2_ALLOC], gl.float32, mma_layout2)
         acc_u2 = gl.zeros([BNC, BM2_ALLOC], gl.float32, mma_layout2)
-        # Software-pipelined two steps at a time: step i's MMAs run while step i + 1's weights
-        # are converted, step i + 1's are issued behind them at once (so the tensor cores keep
-        # this warp group's work queued), and while those run the wait for step i's alone, its
-        # stage released, step i + 2's weights converted into the registers it read; then the
-        # wait for step i + 1's. The operands of the MMAs in flight stay live (passed to the
-        # waits) so nothing overwrites them early.
-        wl, wh, ul, uh = _weights(base, 0, w_bufs, s_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES, GROUP, BYTE_L, BYTE_T,
-                                  a_layout)
-        for i in range(0, num_k, 2):  # (num_k is even: shape_unavailable_reason)
-            acc_g, acc_u, acc_g2, acc_u2 = _mmas(wl, wh, ul, uh, acc_g, acc_u, acc_g2, acc_u2, x_bufs, base + i, STAGES,
-                                                 GATE_UP, BM, BM2)
-            nl, nh, ml, mh = _weights(base, i + 1, w_bufs, s_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES, GROUP, BYTE_L, BYTE_T,
+        # UNROLL == 1: one step a turn, its weights converted, its MMAs issued and waited for,
+        # its stage released (this warp group's conversions never beside its own MMAs; the other
+        # consumer's run beside them). Otherwise software-pipelined, UNROLL steps a turn on two
+        # operand sets: step i's MMAs run while
+        # step i + 1's weights are converted, step i + 1's are issued behind them at once (so
+        # the tensor cores keep this warp group's work queued), then the wait for step i's alone,
+        # its stage released, and step i + 2's weights converted into the registers it read
+        # while step i + 1's run, and so on; the turn ends with the wait for its last step's
+        # MMAs (none stays in flight across the back edge: ptxas would serialise every MMA,
+        # its C7512). ptxas places the conversion before that last wait after it, so one
+        # conversion a turn runs with none of this warp group's MMAs in flight (PERFORMANCE.md
+        # round 30). The operands of the MMAs in flight stay live (passed to the waits) so
+        # nothing overwrites them early.
+        if UNROLL == 1:
+            for i in range(0, num_k):
+                wl, wh, ul, uh = _weights(base, i, w_bufs, s_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES, GROUP,
+                                          BYTE_L, BYTE_T, a_layout)
+                acc_g, acc_u, acc_g2, acc_u2 = _mmas(wl, wh, ul, uh, acc_g, acc_u, acc_g2, acc_u2, x_bufs, base + i,
+                                                     STAGES, GATE_UP, BM, BM2)
+                acc_g, acc_u, acc_g2, acc_u2, wl, wh, ul, uh = _wait(acc_g, acc_u, acc_g2, acc_u2, wl, wh, ul, uh, 0,
+                                                                     GATE_UP, BM2)
+                mbarrier.arrive(empty.index((base + i) % STAGES), count=1)
+        else:
+            wl, wh, ul, uh = _weights(base, 0, w_bufs, s_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES, GROUP, BYTE_L, BYTE_T,
                                       a_layout)
-            acc_g, acc_u, acc_g2, acc_u2 = _mmas(nl, nh, ml, mh, acc_g, acc_u, acc_g2, acc_u2, x_bufs, base + i + 1, STAGES,
-                                                 GATE_UP, BM, BM2)
-            # Step i + 1's commit groups stay outstanding.
-            if GATE_UP:
-                if BM2 > 0:
-                    acc_g, acc_u, acc_g2, acc_u2, wl, wh, ul, uh = warpgroup_mma_wait(
-                        num_outstanding=GROUPS, deps=(acc_g, acc_u, acc_g2, acc_u2, wl, wh, ul, uh))
-                else:
-                    acc_g, acc_u, wl, wh, ul, uh = warpgroup_mma_wait(num_outstanding=GROUPS,
-                                                                      deps=(acc_g, acc_u, wl, wh, ul, uh))
-            else:
-                if BM2 > 0:
-                    acc_g, acc_g2, wl, wh = warpgroup_mma_wait(num_outstanding=GROUPS, deps=(acc_g, acc_g2, wl, wh))
-                else:
-                    acc_g, wl, wh = warpgroup_mma_wait(num_outstanding=GROUPS, deps=(acc_g, wl, wh))
-            mbarrier.arrive(empty.index((base + i) % STAGES), count=1)
-            wl, wh, ul, uh = _weights(base, i + 2, w_bufs, s_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES, GROUP, BYTE_L, BYTE_T,
-                                      a_layout)
-            if GATE_UP:
-                if BM2 > 0:
-                    acc_g, acc_u, acc_g2, acc_u2, nl, nh, ml, mh = warpgroup_mma_wait(
-                        num_outstanding=0, deps=(acc_g, acc_u, acc_g2, acc_u2, nl, nh, ml, mh))
-                else:
-                    acc_g, acc_u, nl, nh, ml, mh = warpgroup_mma_wait(num_outstanding=0,
-                                                                      deps=(acc_g, acc_u, nl, nh, ml, mh))
-            else:
-                if BM2 > 0:
-                    acc_g, acc_g2, nl, nh = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_g2, nl, nh))
-                else:
-                    acc_g, nl, nh = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, nl, nh))
-            mbarrier.arrive(empty.index((base + i + 1) % STAGES), count=1)
+            for i in range(0, num_k, UNROLL):  # (num_k is a multiple of UNROLL: the launch picks it)
+                acc_g, acc_u, acc_g2, acc_u2 = _mmas(wl, wh, ul, uh, acc_g, acc_u, acc_g2, acc_u2, x_bufs, base + i, STAGES,
+                                                     GATE_UP, BM, BM2)
+                for j in gl.static_range(1, UNROLL):
+                    # Step i + j's weights converted into the operand set step i + j - 2 read (retired
+                    # by the last wait) while step i + j - 1's MMAs run, its MMAs queued behind them,
+                    # then step i + j - 1's retired (step i + j's commit groups stay outstanding) and
+                    # its stage released.
+                    if j % 2 == 1:
+                        nl, nh, ml, mh = _weights(base, i + j, w_bufs, s_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES,
+                                                  GROUP, BYTE_L, BYTE_T, a_layout)
+                        acc_g, acc_u, acc_g2, acc_u2 = _mmas(nl, nh, ml, mh, acc_g, acc_u, acc_g2, acc_u2, x_bufs,
+                                                             base + i + j, STAGES, GATE_UP, BM, BM2)
+                        acc_g, acc_u, acc_g2, acc_u2, wl, wh, ul, uh = _wait(acc_g, acc_u, acc_g2, acc_u2, wl, wh, ul, uh,
+                                                                             GROUPS, GATE_UP, BM2)
+                    else:
+                        wl, wh, ul, uh = _weights(base, i + j, w_bufs, s_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES,
+                                                  GROUP, BYTE_L, BYTE_T, a_layout)
+                        acc_g, acc_u, acc_g2, acc_u2 = _mmas(wl, wh, ul, uh, acc_g, acc_u, acc_g2, acc_u2, x_bufs,
+                                                             base + i + j, STAGES, GATE_UP, BM, BM2)
+                        acc_g, acc_u, acc_g2, acc_u2, nl, nh, ml, mh = _wait(acc_g, acc_u, acc_g2, acc_u2, nl, nh, ml, mh,
+                                                                             GROUPS, GATE_UP, BM2)
+                    mbarrier.arrive(empty.index((base + i + j - 1) % STAGES), count=1)
+                # The next turn's first weights (into the set step i + UNROLL - 2 read), then its last
+                # step retired: ptxas places most of this conversion after that wait, so one
+                # conversion a turn runs without MMAs of this warp group in flight.
+                wl, wh, ul, uh = _weights(base, i + UNROLL, w_bufs, s_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES, GROUP,
+                                          BYTE_L, BYTE_T, a_layout)
+                acc_g, acc_u, acc_g2, acc_u2, nl, nh, ml, mh = _wait(acc_g, acc_u, acc_g2, acc_u2, nl, nh, ml, mh, 0,
+                                                                     GATE_UP, BM2)
+                mbarrier.arrive(empty.index((base + i + UNROLL - 1) % STAGES), count=1)
 
         _epilogue(acc_g, acc_u, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID, BNC, BM,
                   GATE_UP)
@@ -728,19 +785,21 @@ def _define_kernels():
     def _consumer_0(x_bufs, w_bufs, ready, empty, s_bufs, num_k, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr,
                     block_rows_ptr, first, step, num_tiles, num_n, BM: gl.constexpr, BNC: gl.constexpr,
                     GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr, BYTE_L: gl.constexpr,
-                    BYTE_T: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr, PERSISTENT: gl.constexpr):
+                    BYTE_T: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr, PERSISTENT: gl.constexpr,
+                    UNROLL: gl.constexpr):
         _consumer(x_bufs, w_bufs, ready, empty, s_bufs, num_k, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr,
                   block_rows_ptr, first, step, num_tiles, num_n, 0, BM, BNC, GROUP, GATE_UP, STAGES, BYTE_L,
-                  BYTE_T, NARROW, MID, PERSISTENT)
+                  BYTE_T, NARROW, MID, PERSISTENT, UNROLL)
 
     @gluon.jit
     def _consumer_1(x_bufs, w_bufs, ready, empty, s_bufs, num_k, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr,
                     block_rows_ptr, first, step, num_tiles, num_n, BM: gl.constexpr, BNC: gl.constexpr,
                     GROUP: gl.constexpr, GATE_UP: gl.constexpr, STAGES: gl.constexpr, BYTE_L: gl.constexpr,
-                    BYTE_T: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr, PERSISTENT: gl.constexpr):
+                    BYTE_T: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr, PERSISTENT: gl.constexpr,
+                    UNROLL: gl.constexpr):
         _consumer(x_bufs, w_bufs, ready, empty, s_bufs, num_k, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr,
                   block_rows_ptr, first, step, num_tiles, num_n, 1, BM, BNC, GROUP, GATE_UP, STAGES, BYTE_L,
-                  BYTE_T, NARROW, MID, PERSISTENT)
+                  BYTE_T, NARROW, MID, PERSISTENT, UNROLL)
 
     @gluon.jit
     def _ws_gemm_kernel(x_desc, x_desc2, x_desc4, w_desc, s_desc, out_ptr, topk_w_ptr, sorted_slot_ptr,
@@ -748,7 +807,7 @@ def _define_kernels():
                         BM: gl.constexpr, BNC: gl.constexpr, GROUP: gl.constexpr, GATE_UP: gl.constexpr,
                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                         BYTE_L: gl.constexpr, BYTE_T: gl.constexpr, NARROW: gl.constexpr, MID: gl.constexpr,
-                        PERSISTENT: gl.constexpr):
+                        PERSISTENT: gl.constexpr, UNROLL: gl.constexpr):
         """Tiles of BM sorted rows x 2 * BNC output columns (GEMM1: gate and up of each), tile t =
         block t // (N / 2 BNC), columns t % (N / 2 BNC); program p takes tiles p, p + programs,
         ... (one each where the grid has a program a tile; persistent where it has one an SM);
@@ -770,10 +829,10 @@ def _define_kernels():
         gl.warp_specialize([
             (_consumer_0, (x_bufs, w_bufs, ready, empty, s_bufs, num_k, out_ptr, stride_om, topk_w_ptr,
                            sorted_slot_ptr, block_rows_ptr, first, step, num_tiles, num_n, BM, BNC, GROUP, GATE_UP,
-                           STAGES, BYTE_L, BYTE_T, NARROW, MID, PERSISTENT)),
+                           STAGES, BYTE_L, BYTE_T, NARROW, MID, PERSISTENT, UNROLL)),
             (_consumer_1, (x_bufs, w_bufs, ready, empty, s_bufs, num_k, out_ptr, stride_om, topk_w_ptr,
                            sorted_slot_ptr, block_rows_ptr, first, step, num_tiles, num_n, BM, BNC, GROUP, GATE_UP,
-                           STAGES, BYTE_L, BYTE_T, NARROW, MID, PERSISTENT)),
+                           STAGES, BYTE_L, BYTE_T, NARROW, MID, PERSISTENT, UNROLL)),
             (_producer, (x_desc, x_desc2, x_desc4, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty,
                          block_rows_ptr, block_expert_ptr, first, step, num_tiles, num_n, N, w_row_groups, num_k, BM,
                          BNH, GATE_UP, STAGES, GROUP, NARROW, MID, PERSISTENT)),
@@ -893,6 +952,9 @@ class GluonHopperPath:
             narrow = tiles[which].get("narrow", 0)
             if narrow and (narrow & (narrow - 1) or narrow > bm):
                 raise ValueError(f"{which}'s narrow {narrow} is not 0 or a power of two up to bm {bm}")
+            unroll = tiles[which].get("unroll", UNROLL)
+            if not isinstance(unroll, int) or unroll < 1 or unroll & (unroll - 1):
+                raise ValueError(f"{which}'s unroll {unroll} is not a power of two (1, 2, 4, ...)")
             if tiles[which].get("mid") and not (narrow and narrow <= bm // 4):
                 raise ValueError(f"{which}'s mid (the 3 bm / 4 wide body) needs a narrow of at most bm / 4 = {bm // 4}, "
                                  f"not {narrow}")
@@ -929,7 +991,7 @@ class GluonHopperPath:
                 BM=bm, BNC=tile["bnc"], GROUP=shape.group_size, GATE_UP=which == "g1", STAGES=tile["stages"],
                 CONSUMER_REGS=tile.get("consumer_regs", 232), PRODUCER_REGS=tile.get("producer_regs", 40),
                 BYTE_L=byte_layout(tile["bnc"]), BYTE_T=byte_layout(tile["bnc"], transposed=True), NARROW=tile.get("narrow", 0), MID=bool(tile.get("mid", False)),
-                PERSISTENT=bool(tile.get("persistent", False)),
+                PERSISTENT=bool(tile.get("persistent", False)), UNROLL=unroll_for(tile, k),
                 num_warps=4)
         moe._g2_split = 1
         return moe.topk_sum(x) if "sum" in stages else None

@@ -113,6 +113,32 @@ def test_narrowed_tiles_are_checked_before_any_launch():
         path.forward(x, None, None, tiles=bad)
 
 
+def test_the_consumers_take_unroll_steps_a_turn_where_they_divide_k():
+    """The consumers' K loop takes a tile's "unroll" steps a turn (UNROLL where it does not
+    say), halved until it divides the GEMM's K / 64 steps: the bm64 tiles one step a turn, the
+    bm128 tiles UNROLL, in both GEMMs of every preset's layer; an unroll that is not a power of
+    two fails before any launch."""
+    assert gluon_moe.TILES_BM64["g1"]["unroll"] == gluon_moe.TILES_BM64["g2"]["unroll"] == 1
+    assert "unroll" not in gluon_moe.TILES_BM128["g1"] and "unroll" not in gluon_moe.TILES_BM128["g2"]
+    tile = gluon_moe.TILES_BM128["g1"]
+    assert [gluon_moe.unroll_for(dict(tile, unroll=8), k) for k in (2048, 1536, 768, 384)] == [8, 8, 4, 2]
+    assert gluon_moe.unroll_for(dict(tile, unroll=1), 2048) == 1
+    for name in ("kimi-k2.6", "deepseek-v3", "qwen3-235b-a22b", "mixtral-8x7b"):
+        shape = presets.PRESETS[name].shape()
+        for k in (shape.hidden, shape.inter):
+            assert gluon_moe.unroll_for(gluon_moe.TILES_BM64["g1"], k) == 1
+            assert gluon_moe.unroll_for(gluon_moe.TILES_BM128["g2"], k) == gluon_moe.UNROLL, name
+    path = gluon_moe.GluonHopperPath.__new__(gluon_moe.GluonHopperPath)
+    path.moe = type("M", (), {"shape": SMALL})()
+    x = torch.zeros((4, SMALL.hidden), dtype=torch.bfloat16)
+    for bad in (3, 0, 6):
+        tiles = {"g1": gluon_moe.TILES_BM64["g1"], "g2": dict(gluon_moe.TILES_BM64["g2"], unroll=bad)}
+        with pytest.raises(ValueError, match=rf"g2's unroll {bad} is not a power of two \(1, 2, 4, ...\)"):
+            path.forward(x, None, None, tiles=tiles)
+    with pytest.raises(ValueError, match="unroll 6 is not a power of two"):
+        gluon_moe.unroll_for(dict(tile, unroll=6), 2048)
+
+
 def test_tiles_by_slots_per_expert_and_the_workspace_for_the_largest(monkeypatch):
     small, large = gluon_moe.TILES_BM64, gluon_moe.TILES_BM128
     monkeypatch.setattr(gluon_moe, "GLUON_TILE_ROWS", [(96.0, small), (None, large)])
@@ -305,6 +331,31 @@ def test_persistent_programs_give_the_one_program_a_tile_result(m, hidden, inter
     torch.cuda.synchronize()
     assert torch.equal(out, expected), f"max difference {(out.float() - expected.float()).abs().max().item()}"
     assert cli.relative_error(out, reference_moe(weights, x, ids, wts)) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_sm90
+# GEMM1 8 or 32 steps, GEMM2 4, 6 (at most two a turn: 4 does not divide it) or
+# 16; blocks at MMA widths 16-64 (bm64 tiles) and 64-128 (bm128, with the 96-wide body).
+@pytest.mark.parametrize("m,hidden,inter", [(96, 512, 256), (176, 512, 384), (300, 2048, 1024), (600, 512, 256)])
+def test_every_unroll_gives_the_two_step_result(m, hidden, inter, monkeypatch):
+    """The consumers' loop at 1, 4 and 8 steps a turn runs the same MMAs in the same order as at
+    2: the result must be the 2-step result, bit for bit, and right against the reference."""
+    monkeypatch.setenv("MOE_BENCH_GLUON", "force")
+    shape = quant.MoEShape(experts=8, hidden=hidden, inter=inter, topk=2, group_size=32)
+    weights = quant.random_weights(shape, "cuda", seed=3)
+    moe = tm.TritonW4A16MoE(weights, 1024)
+    assert moe.gluon_reason is None, moe.gluon_reason
+    path = moe._gluon
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x, ids, wts = cli.make_inputs(shape, m, torch.bfloat16, torch.device("cuda"), gen)
+    tiles = gluon_moe.tiles_for(shape, m)
+    expected = path.forward(x, ids, wts, tiles={w: dict(tiles[w], unroll=2) for w in ("g1", "g2")}).clone()
+    assert cli.relative_error(expected, reference_moe(weights, x, ids, wts)) < 1e-2
+    for unroll in (1, 4, 8):
+        out = path.forward(x, ids, wts, tiles={w: dict(tiles[w], unroll=unroll) for w in ("g1", "g2")})
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected), (unroll, (out.float() - expected.float()).abs().max().item())
 
 
 def test_the_gather_writes_each_block_in_operand_order():
