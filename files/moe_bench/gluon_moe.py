@@ -750,30 +750,24 @@ def _define_kernels():
                     # Step i + j's weights converted into the operand set step i + j - 2 read (retired
                     # by the last wait) while step i + j - 1's MMAs run, its MMAs queued behind them,
                     # then step i + j - 1's retired (step i + j's commit groups stay outstanding) and
-                    # its stage released.
-                    if j % 2 == 1:
-                        nl, nh, ml, mh = _weights(base, i + j, w_bufs, s_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES,
-                                                  GROUP, BYTE_L, BYTE_T, a_layout)
-                        acc_g, acc_u, acc_g2, acc_u2 = _mmas(nl, nh, ml, mh, acc_g, acc_u, acc_g2, acc_u2, x_bufs,
-                                                             base + i + j, STAGES, GATE_UP, BM, BM2)
-                        acc_g, acc_u, acc_g2, acc_u2, wl, wh, ul, uh = _wait(acc_g, acc_u, acc_g2, acc_u2, wl, wh, ul, uh,
-                                                                             GROUPS, GATE_UP, BM2)
-                    else:
-                        wl, wh, ul, uh = _weights(base, i + j, w_bufs, s_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES,
-                                                  GROUP, BYTE_L, BYTE_T, a_layout)
-                        acc_g, acc_u, acc_g2, acc_u2 = _mmas(wl, wh, ul, uh, acc_g, acc_u, acc_g2, acc_u2, x_bufs,
-                                                             base + i + j, STAGES, GATE_UP, BM, BM2)
-                        acc_g, acc_u, acc_g2, acc_u2, nl, nh, ml, mh = _wait(acc_g, acc_u, acc_g2, acc_u2, nl, nh, ml, mh,
-                                                                             GROUPS, GATE_UP, BM2)
+                    # its stage released; then the names swapped (wl, ... the set in flight).
+                    nl, nh, ml, mh = _weights(base, i + j, w_bufs, s_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES,
+                                              GROUP, BYTE_L, BYTE_T, a_layout)
+                    acc_g, acc_u, acc_g2, acc_u2 = _mmas(nl, nh, ml, mh, acc_g, acc_u, acc_g2, acc_u2, x_bufs,
+                                                         base + i + j, STAGES, GATE_UP, BM, BM2)
+                    acc_g, acc_u, acc_g2, acc_u2, wl, wh, ul, uh = _wait(acc_g, acc_u, acc_g2, acc_u2, wl, wh, ul, uh,
+                                                                         GROUPS, GATE_UP, BM2)
                     mbarrier.arrive(empty.index((base + i + j - 1) % STAGES), count=1)
-                # The next turn's first weights (into the set step i + UNROLL - 2 read), then its last
-                # step retired: ptxas places most of this conversion after that wait, so one
-                # conversion a turn runs without MMAs of this warp group in flight.
-                wl, wh, ul, uh = _weights(base, i + UNROLL, w_bufs, s_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES, GROUP,
+                    wl, wh, ul, uh, nl, nh, ml, mh = nl, nh, ml, mh, wl, wh, ul, uh
+                # The next turn's first weights (into the set step i + UNROLL - 2 read), then the
+                # turn's last step retired: ptxas places most of this conversion after that wait,
+                # so one conversion a turn runs without MMAs of this warp group in flight.
+                nl, nh, ml, mh = _weights(base, i + UNROLL, w_bufs, s_bufs, ready, num_k, CID, BNC, GATE_UP, STAGES, GROUP,
                                           BYTE_L, BYTE_T, a_layout)
-                acc_g, acc_u, acc_g2, acc_u2, nl, nh, ml, mh = _wait(acc_g, acc_u, acc_g2, acc_u2, nl, nh, ml, mh, 0,
+                acc_g, acc_u, acc_g2, acc_u2, wl, wh, ul, uh = _wait(acc_g, acc_u, acc_g2, acc_u2, wl, wh, ul, uh, 0,
                                                                      GATE_UP, BM2)
                 mbarrier.arrive(empty.index((base + i + UNROLL - 1) % STAGES), count=1)
+                wl, wh, ul, uh = nl, nh, ml, mh
 
         _epilogue(acc_g, acc_u, out_ptr, stride_om, topk_w_ptr, sorted_slot_ptr, row0, rows_used, col0, CID, BNC, BM,
                   GATE_UP)

@@ -307,6 +307,18 @@ def test_a_wide_layer_runs_the_path_by_default_from_8_slots_per_expert(monkeypat
             assert used["gluon_fallback"] == gluon_moe.NOT_SELECTED.format(bound=gluon_moe.SELECT_SLOTS_PER_EXPERT)
 
 
+def _forced_path(m, hidden, inter, seed, monkeypatch):
+    """An 8-expert layer's Gluon path (forced, compiled) and M rows' inputs."""
+    monkeypatch.setenv("MOE_BENCH_GLUON", "force")
+    shape = quant.MoEShape(experts=8, hidden=hidden, inter=inter, topk=2, group_size=32)
+    weights = quant.random_weights(shape, "cuda", seed=seed)
+    moe = tm.TritonW4A16MoE(weights, 1024)
+    assert moe.gluon_reason is None, moe.gluon_reason
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x, ids, wts = cli.make_inputs(shape, m, torch.bfloat16, torch.device("cuda"), gen)
+    return shape, weights, moe._gluon, x, ids, wts
+
+
 @pytest.mark.gpu
 @needs_sm90
 # Three programs for every tile of both GEMMs: each program's ring of stages runs on from one
@@ -315,14 +327,7 @@ def test_a_wide_layer_runs_the_path_by_default_from_8_slots_per_expert(monkeypat
 @pytest.mark.parametrize("m,hidden,inter", [(96, 512, 256), (176, 512, 256), (300, 512, 256), (352, 512, 256),
                                             (600, 512, 256), (300, 2048, 1024)])
 def test_persistent_programs_give_the_one_program_a_tile_result(m, hidden, inter, monkeypatch):
-    monkeypatch.setenv("MOE_BENCH_GLUON", "force")
-    shape = quant.MoEShape(experts=8, hidden=hidden, inter=inter, topk=2, group_size=32)
-    weights = quant.random_weights(shape, "cuda", seed=2)
-    moe = tm.TritonW4A16MoE(weights, 1024)
-    assert moe.gluon_reason is None, moe.gluon_reason
-    path = moe._gluon
-    gen = torch.Generator(device="cuda").manual_seed(m)
-    x, ids, wts = cli.make_inputs(shape, m, torch.bfloat16, torch.device("cuda"), gen)
+    shape, weights, path, x, ids, wts = _forced_path(m, hidden, inter, 2, monkeypatch)
     tiles = gluon_moe.tiles_for(shape, m)
     one_each = {w: dict(tiles[w], persistent=False) for w in ("g1", "g2")}
     expected = path.forward(x, ids, wts, tiles=one_each).clone()
@@ -341,14 +346,7 @@ def test_persistent_programs_give_the_one_program_a_tile_result(m, hidden, inter
 def test_every_unroll_gives_the_two_step_result(m, hidden, inter, monkeypatch):
     """The consumers' loop at 1, 4 and 8 steps a turn runs the same MMAs in the same order as at
     2: the result must be the 2-step result, bit for bit, and right against the reference."""
-    monkeypatch.setenv("MOE_BENCH_GLUON", "force")
-    shape = quant.MoEShape(experts=8, hidden=hidden, inter=inter, topk=2, group_size=32)
-    weights = quant.random_weights(shape, "cuda", seed=3)
-    moe = tm.TritonW4A16MoE(weights, 1024)
-    assert moe.gluon_reason is None, moe.gluon_reason
-    path = moe._gluon
-    gen = torch.Generator(device="cuda").manual_seed(m)
-    x, ids, wts = cli.make_inputs(shape, m, torch.bfloat16, torch.device("cuda"), gen)
+    shape, weights, path, x, ids, wts = _forced_path(m, hidden, inter, 3, monkeypatch)
     tiles = gluon_moe.tiles_for(shape, m)
     expected = path.forward(x, ids, wts, tiles={w: dict(tiles[w], unroll=2) for w in ("g1", "g2")}).clone()
     assert cli.relative_error(expected, reference_moe(weights, x, ids, wts)) < 1e-2
