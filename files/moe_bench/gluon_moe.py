@@ -946,9 +946,10 @@ class GluonHopperPath:
             narrow = tiles[which].get("narrow", 0)
             if narrow and (narrow & (narrow - 1) or narrow > bm):
                 raise ValueError(f"{which}'s narrow {narrow} is not 0 or a power of two up to bm {bm}")
-            unroll = tiles[which].get("unroll", UNROLL)
-            if not isinstance(unroll, int) or unroll < 1 or unroll & (unroll - 1):
-                raise ValueError(f"{which}'s unroll {unroll} is not a power of two (1, 2, 4, ...)")
+            try:
+                unroll_for(tiles[which], shape.hidden if which == "g1" else shape.inter)
+            except ValueError as exc:
+                raise ValueError(f"{which}'s {exc}") from None
             if tiles[which].get("mid") and not (narrow and narrow <= bm // 4):
                 raise ValueError(f"{which}'s mid (the 3 bm / 4 wide body) needs a narrow of at most bm / 4 = {bm // 4}, "
                                  f"not {narrow}")
