@@ -102,12 +102,18 @@ def _pdl(target) -> bool:
 def compile_gemv(which: int, g: dict, group: int = 32, *, target=None, topk: int = 8, by_expert=None):
     """The one-row kernel as GEMM1 (gate/up, float32 intermediate out) or GEMM2. by_expert: the
     slot order (the table's GEMM1 `sort` decides it for both GEMMs); default g's own."""
-    signature = dict(SIGNATURE_GEMV, out_ptr="*fp32" if which == 1 else "*bf16")
+    split = max(1, int(g.get("split", 1)))  # (the launch may lower it to divide K: tm.gemv_split)
+    signature = dict(SIGNATURE_GEMV, out_ptr="*fp32" if which == 1 or split > 1 else "*bf16")
     constants = dict(TOPK=topk, GROUP=group, BLOCK_N=g["bn"], BLOCK_KW=g["bkw"], GATE_UP=which == 1,
                      CONVERT_ASM=bool(g.get("asm", False)), INTER_DTYPE=tm.tl.bfloat16,
                      BY_EXPERT=bool(g.get("sort", False) if by_expert is None else by_expert),
                      RAW_A=which == 1 and bool(g.get("fx", False)), SUM_TOPK=which == 2 and bool(g.get("fsum", False)),
-                     PREFETCH=bool(g.get("pf", False)), PDL=_pdl(target))
+                     PREFETCH=bool(g.get("pf", False)), PDL=_pdl(target), SPLIT=split)
+    signature["stride_split"] = "i32"
+    if which == 1 and split > 1:  # GEMM1's partials and arrival counts
+        signature.update(part_ptr="*fp32", sem_ptr="*i32")
+    else:
+        constants.update(part_ptr=None, sem_ptr=None)
     if constants["SUM_TOPK"]:
         constants["BY_EXPERT"] = False  # a token's slots in their own order (TritonW4A16MoE.gemv2)
     for name in constants:
@@ -390,7 +396,8 @@ def check_job(job: dict) -> dict:
     target = GPUTarget("cuda", arch, 32)
     kind = "one-row" if job["g"].get("gemv") else "mma8" if job["g"].get("mma8") else f"bm{job['block_m']}"
     label = f"sm_{arch} GEMM{job['which']} {kind} " + ",".join(
-        f"{key}={value}" for key, value in sorted(job["g"].items()) if key not in ("asm", "gemv", "post", "whole", "split"))
+        f"{key}={value}" for key, value in sorted(job["g"].items())
+        if key not in ("asm", "gemv", "post", "whole") and not (key == "split" and value == 1))
     problems, notes = [], []
 
     def build(overlap: bool):

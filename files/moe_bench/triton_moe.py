@@ -778,14 +778,17 @@ def _word_shift(kw):
 @triton.jit
 def _gemv_acc(acc, a_row, w_base, s_base, cols, K, stride_wt, stride_sg,
               GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, RAW_A: tl.constexpr, CONVERT_ASM: tl.constexpr,
-              PREFETCH: tl.constexpr = False, WAIT: tl.constexpr = False):
+              PREFETCH: tl.constexpr = False, WAIT: tl.constexpr = False, kw_lo=0, kw_hi=None):
     """acc ([C, BLOCK_KW // 4] float32) plus the columns cols of one expert's
     packed weights (w_base, s_base: that expert's words and scales) dotted with one activation
     row over all of K: a_row points at the row in the operand order of _store_word_order, or,
     with RAW_A, at the row itself (_raw_word_dot). WAIT (PDL): the kernel's wait comes here,
     after the first step's weights and scales are loaded (with PREFETCH), before the first
-    activation is read."""
+    activation is read. kw_lo, kw_hi: the words of K this program takes (a split GEMM's
+    slice; default all of them)."""
     KW = K // 8
+    if kw_hi is None:
+        kw_hi = KW
     CHUNKS: tl.constexpr = BLOCK_KW // 4
     offs_w = tl.arange(0, BLOCK_KW)
     # Word w of row n in the tiles: byte 4w of _tile_offsets, in words (8 words a row per block).
@@ -805,17 +808,17 @@ def _gemv_acc(acc, a_row, w_base, s_base, cols, K, stride_wt, stride_sg,
         # converts and multiplies. (Triton's pipeliner stages loads that feed no dot only when
         # the loop asks, tl.range(..., num_stages=S): a ring through shared memory, slower here at
         # every M measured, PERFORMANCE.md round 19g.)
-        w = tl.load(w_ptrs + _word_shift(0)).to(tl.uint32, bitcast=True)
-        s = tl.load(s_ptrs + ((offs_ch * 32) // GROUP)[None, :] * stride_sg)
+        w = tl.load(w_ptrs + _word_shift(kw_lo)).to(tl.uint32, bitcast=True)
+        s = tl.load(s_ptrs + ((kw_lo * 8 + offs_ch * 32) // GROUP)[None, :] * stride_sg)
         if WAIT:
             _gdc_wait()
-        acts = _word_acts(a_ptrs, KW)
-        for kw in range(0, KW, BLOCK_KW):
+        acts = _word_acts(a_ptrs + kw_lo, KW)
+        for kw in range(kw_lo, kw_hi, BLOCK_KW):
             nk = kw + BLOCK_KW
-            more = (nk + 0 * offs_w)[None, :] < KW  # a tensor mask (the interpreter takes no scalar one)
+            more = (nk + 0 * offs_w)[None, :] < kw_hi  # a tensor mask (the interpreter takes no scalar one)
             w_next = tl.load(w_ptrs + _word_shift(nk), mask=more).to(tl.uint32, bitcast=True)
             s_next = tl.load(s_ptrs + ((nk * 8 + offs_ch * 32) // GROUP)[None, :] * stride_sg,
-                             mask=(nk + 0 * offs_ch)[None, :] < KW)
+                             mask=(nk + 0 * offs_ch)[None, :] < kw_hi)
             acts_next = _word_acts(a_ptrs + nk, KW, more)
             p = _word_dot_of(w, acts, CONVERT_ASM)
             chunk_sum = tl.sum(tl.reshape(p, (cols.shape[0], CHUNKS, 4)), axis=2)
@@ -826,7 +829,7 @@ def _gemv_acc(acc, a_row, w_base, s_base, cols, K, stride_wt, stride_sg,
     else:
         if WAIT:
             _gdc_wait()
-        for kw in range(0, KW, BLOCK_KW):
+        for kw in range(kw_lo, kw_hi, BLOCK_KW):
             w = tl.load(w_ptrs + _word_shift(kw)).to(tl.uint32, bitcast=True)
             if RAW_A:
                 p = _raw_word_dot(w, a_ptrs + kw * 8, CONVERT_ASM)
@@ -868,8 +871,18 @@ def _gemv_kernel(
     SUM_TOPK: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    SPLIT: tl.constexpr = 1,
+    stride_split=0,
+    part_ptr=None,
+    sem_ptr=None,
 ):
-    """One slot x BLOCK_N output columns, reduced over all of K.
+    """One slot x BLOCK_N output columns, reduced over all of K; with SPLIT, over one of K's
+    SPLIT equal slices, the program's slice s = pid // (grid / SPLIT). GEMM2 stores its slice's
+    result at out + s * stride_split for the top-k sum to add up; GEMM1 stores its gate and up
+    sums in float32 at part_ptr (SPLIT rows a slot and column tile) and counts itself in on
+    sem_ptr (an int32 a slot and column tile, zero before): the program that arrives last adds
+    the SPLIT rows up in slice order, applies SiLU and stores as unsplit, and sets the count
+    back to zero for the next forward.
 
     a: float32 activation rows in the order of _store_word_order. GATE_UP (GEMM1): a's row is
     the slot's token, w is w13, N = inter: the program dots gate columns n and up columns
@@ -888,6 +901,13 @@ def _gemv_kernel(
     kernel of a forward (GEMM1 on x's own rows, RAW_A) and the forms that read what the
     forward made before the weights (BY_EXPERT's order, SUM_TOPK) wait at once."""
     pid = tl.program_id(0)
+    part = 0
+    if SPLIT > 1:
+        per_part = tl.num_programs(0) // SPLIT
+        part = pid // per_part
+        pid = pid % per_part
+        if not GATE_UP:
+            out_ptr += part.to(tl.int64) * stride_split
     num_n = N // BLOCK_N
     pid_n = pid % num_n
     CHUNKS: tl.constexpr = BLOCK_KW // 4
@@ -922,15 +942,32 @@ def _gemv_kernel(
         row = slot.to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((cols.shape[0], CHUNKS), dtype=tl.float32)
+    # The slice's words: whole steps (gemv_split), said so for the loads' width.
+    part_kw = tl.multiple_of(K // 8 // SPLIT, BLOCK_KW)
+    kw_lo = tl.multiple_of(part * part_kw, BLOCK_KW)
     acc = _gemv_acc(acc, a_ptr + row * stride_am, w_ptr + expert * stride_we, s_ptr + expert * stride_se, cols, K,
-                    stride_wt, stride_sg, GROUP, BLOCK_KW, RAW_A, CONVERT_ASM, PREFETCH, EARLY)
+                    stride_wt, stride_sg, GROUP, BLOCK_KW, RAW_A, CONVERT_ASM, PREFETCH, EARLY,
+                    kw_lo, tl.multiple_of(kw_lo + part_kw, BLOCK_KW))
     res = tl.sum(acc, axis=1)
+    last = True
+    if GATE_UP and SPLIT > 1:
+        tile = slot.to(tl.int64) * num_n + pid_n
+        offs_r = tl.arange(0, 2 * BLOCK_N)
+        tl.store(part_ptr + (tile * SPLIT + part) * (2 * BLOCK_N) + offs_r, res)
+        tl.debug_barrier()  # every thread's partial stored before the count is released
+        last = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        if last:
+            res = tl.zeros_like(res)
+            for p in tl.static_range(SPLIT):  # in slice order: the same bits whoever arrives last
+                res += tl.load(part_ptr + (tile * SPLIT + p) * (2 * BLOCK_N) + offs_r, cache_modifier=".cg")
+            tl.atomic_xchg(sem_ptr + tile, 0, sem="relaxed", scope="gpu")
     if GATE_UP:
-        gate, up = tl.split(tl.trans(tl.reshape(res, (2, BLOCK_N))))
-        h = (gate * tl.sigmoid(gate) * up).to(INTER_DTYPE).to(tl.float32)
-        # Rounded as a stored intermediate would be, then kept in float32 operand order.
-        _store_word_order(h, out_ptr + slot.to(tl.int64) * stride_om + pid_n * (BLOCK_N // 8), N // 8,
-                          BLOCK_N // 32)
+        if last:
+            gate, up = tl.split(tl.trans(tl.reshape(res, (2, BLOCK_N))))
+            h = (gate * tl.sigmoid(gate) * up).to(INTER_DTYPE).to(tl.float32)
+            # Rounded as a stored intermediate would be, then kept in float32 operand order.
+            _store_word_order(h, out_ptr + slot.to(tl.int64) * stride_om + pid_n * (BLOCK_N // 8), N // 8,
+                              BLOCK_N // 32)
     else:
         weight = tl.load(topk_weights_ptr + slot)
         tl.store(out_ptr + slot.to(tl.int64) * stride_om + cols, (res * weight).to(out_ptr.dtype.element_ty))
@@ -1266,6 +1303,15 @@ def mma8_shape_error(shape: quant.MoEShape) -> str | None:
     return None
 
 
+def gemv_split(g: dict, k: int) -> int:
+    """The K slices a one-row GEMM takes (its "split", default 1), lowered until each slice is
+    a whole number of its steps (bkw words)."""
+    split = max(1, int(g.get("split", 1)))
+    while split > 1 and (k // 8) % (split * g["bkw"]):
+        split -= 1
+    return split
+
+
 def _row_applies(shape: quant.MoEShape, entry: dict) -> bool:
     """Whether a rule row fits the shape: the block_m 8 rows need K and N in whole 64-value
     blocks and at least MMA8_MIN_INTER intermediate columns."""
@@ -1407,9 +1453,9 @@ def _fit(gemm: dict, k: int, n: int, group: int) -> dict:
 # per expert, the block_m 16 one) takes bn 32 instead of 64 when bn 64 would give fewer than four
 # programs per SM (and the prefetching one-row GEMM1 takes 64 words a step on grids of fewer than
 # three programs per SM; each prefetching one-row GEMM takes two warps and 16 words a step on
-# grids of at least five per SM), and a tensor-core row's stages drop until its
-# pipelined tiles fit the device's shared memory (an sm_120 or sm_89 block gets 99 KB, an
-# H100/H200 227 KB).
+# grids of at least five per SM, and splits its K on grids of fewer programs than SMs), and a
+# tensor-core row's stages drop until its pipelined tiles fit the device's shared memory (an
+# sm_120 or sm_89 block gets 99 KB, an H100/H200 227 KB).
 
 @dataclass(frozen=True)
 class DeviceLimits:
@@ -1481,6 +1527,21 @@ def fit_to_device(cfg: dict, limits: DeviceLimits | None, shape: quant.MoEShape,
                 cfg[which] = dict(g, warps=2, bkw=16)
             else:
                 cfg[which] = g
+        # A one-row GEMM on a grid of fewer programs than the device has SMs splits its K in 2 (or
+        # 4) slices until it has as many (gemv_split; a row that names its split keeps it).
+        # Measured (PERFORMANCE.md round 31, H100): kimi-k2.6 --tp 8 M=1 (GEMM1: 64 programs)
+        # 21.1 against 27.5 us, mixtral-8x7b M=1 (GEMM2: 128 programs) 91.4 against 116.8; on
+        # grids of 2-7 programs per SM a split was 1-7% slower (kimi-k2.6 and deepseek-v3 M=1-4,
+        # qwen3-235b-a22b M=1-2, --tp 8 M=4).
+        for which, n, k in (("g1", shape.inter, shape.hidden), ("g2", shape.hidden, shape.inter)):
+            g = cfg[which]
+            if "split" in g or g.get("fsum"):
+                continue
+            split = 1
+            while split < 4 and programs(g, n) * split < limits.sm_count and gemv_split(dict(g, split=2 * split), k) == 2 * split:
+                split *= 2
+            if split > 1:
+                cfg[which] = dict(g, split=split)
         return cfg
     # GEMM1's programs on a block_m 16 row are blocks (about one per expert touched) times inter /
     # bn column tiles. Where a layer has few column tiles (inter / 64 <= 8: the --tp 8 shards) and
@@ -1727,6 +1788,10 @@ class TritonW4A16MoE:
         self._partials["xw"] = torch.empty(x_elems, dtype=torch.float32, device=device)
         self._partials["hw"] = torch.empty(inter_elems, dtype=torch.float32, device=device)
         self._g2_split = 1
+        # A split one-row GEMM1's arrival counts, a slot and column tile each (zero between
+        # forwards); with the partials of the one-row GEMMs the device's fit splits (fit_to_device).
+        self._gemv_sem = torch.zeros(0, dtype=torch.int32, device=device)
+        self._size_gemv_splits(_gemv_max_m(max_m, self.table))
         # Per GEMM configuration: whether its overlapped form passed the SASS check (_launch).
         self._overlap: dict[tuple, bool] = {}
         # Programmatic dependent launch for every kernel of the forward where the GPU and
@@ -1848,6 +1913,30 @@ class TritonW4A16MoE:
         self._workspace.clear()
         if self._gluon is not None:
             self._gluon.release_buffers()
+
+    def _size_gemv_splits(self, gemv_max_m: int) -> None:
+        """The partials and arrival counts of the one-row GEMMs that run split up to gemv_max_m
+        (made here, not on first use inside a graph's capture)."""
+        shape = self.shape
+        for m in range(1, gemv_max_m + 1):
+            cfg = self._config(m)
+            if not cfg["g1"].get("gemv"):
+                continue
+            slots = m * shape.topk
+            self._gemv1_split_buffers(gemv_split(cfg["g1"], shape.hidden), slots, cfg["g1"]["bn"])
+            split2 = gemv_split(cfg["g2"], shape.inter)
+            if split2 > 1 and not cfg["g2"].get("fsum"):
+                self._partial("g2", split2 * slots * shape.hidden)
+
+    def _gemv1_split_buffers(self, split: int, slots: int, bn: int) -> tuple:
+        """A split one-row GEMM1's float32 partials and its arrival counts (zero, a slot and
+        column tile each), grown if needed; (None, None) unsplit."""
+        if split == 1:
+            return None, None
+        tiles = slots * (self.shape.inter // bn)
+        if self._gemv_sem.numel() < tiles:
+            self._gemv_sem = torch.zeros(tiles, dtype=torch.int32, device=self._device)
+        return self._partial("g1", split * slots * 2 * self.shape.inter), self._gemv_sem
 
     def _partial(self, which: str, elems: int) -> torch.Tensor:
         if self._partials[which].numel() < elems:
@@ -2087,14 +2176,17 @@ class TritonW4A16MoE:
         scales = self.weights.w13.scales
         raw = self._xw is None  # GEMM1's `fx`: x's rows read as they are (word_order)
         a = x if raw else self._xw
-        self.last_gemm1 = _gemv_kernel[(slots * (shape.inter // g1["bn"]),)](
+        # K's slices (gemv_split), the last to arrive of each tile adding them up (_gemv_kernel).
+        split = gemv_split(g1, shape.hidden)
+        part, sem = self._gemv1_split_buffers(split, slots, g1["bn"])
+        self.last_gemm1 = _gemv_kernel[(split * slots * (shape.inter // g1["bn"]),)](
             a, words, scales, hw, self._ids, self._ids, self._sorted_slot,
             shape.hidden, shape.inter, a.stride(0), words.stride(0), words.stride(1), scales.stride(0),
             scales.stride(1), hw.stride(0),
             TOPK=shape.topk, GROUP=shape.group_size, BLOCK_N=g1["bn"], BLOCK_KW=g1["bkw"], GATE_UP=True,
             CONVERT_ASM=_asm_enabled(g1), INTER_DTYPE=_TL_DTYPES[x.dtype], BY_EXPERT=self._by_expert,
             RAW_A=raw, PREFETCH=bool(g1.get("pf", False)), PDL=self._pdl, num_warps=g1["warps"],
-            num_stages=g1.get("stages", 1), **self._pdl_kw,
+            num_stages=g1.get("stages", 1), SPLIT=split, part_ptr=part, sem_ptr=sem, **self._pdl_kw,
         )
         self._hw = hw
 
@@ -2121,15 +2213,20 @@ class TritonW4A16MoE:
             return out
         _, slot_buf = self._buffers(x.dtype)
         slots = self._m * shape.topk
-        self.last_gemm2 = _gemv_kernel[(slots * (shape.hidden // g2["bn"]),)](
+        split = gemv_split(g2, shape.inter)
+        stride_split = slots * shape.hidden
+        if split > 1:  # K's slices into float32 partial rows, added up by topk_sum
+            slot_buf = self._partial("g2", split * stride_split)[: split * stride_split].view(split * slots, shape.hidden)
+        self.last_gemm2 = _gemv_kernel[(split * slots * (shape.hidden // g2["bn"]),)](
             self._hw, words, scales, slot_buf, self._ids, topk_weights, self._sorted_slot,
             shape.inter, shape.hidden, self._hw.stride(0), words.stride(0), words.stride(1), scales.stride(0),
             scales.stride(1), slot_buf.stride(0),
             TOPK=shape.topk, GROUP=shape.group_size, BLOCK_N=g2["bn"], BLOCK_KW=g2["bkw"], GATE_UP=False,
             CONVERT_ASM=_asm_enabled(g2), INTER_DTYPE=_TL_DTYPES[x.dtype], BY_EXPERT=self._by_expert,
             PREFETCH=bool(g2.get("pf", False)), PDL=self._pdl, num_warps=g2["warps"],
-            num_stages=g2.get("stages", 1), **self._pdl_kw,
+            num_stages=g2.get("stages", 1), SPLIT=split, stride_split=stride_split, **self._pdl_kw,
         )
+        self._g2_split = split
         return None
 
     def mma8(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, g1: dict, g2: dict) -> None:

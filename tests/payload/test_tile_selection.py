@@ -103,6 +103,35 @@ def test_fit_to_device_gives_prefetching_one_row_gemms_two_warps_on_large_grids(
     assert warps_bkw("kimi-k2.6", 1, 2, limits=many_sms) == [(4, 32), (2, 16)]  # 1024 programs: < 5 x 264
 
 
+def test_fit_to_device_splits_k_of_one_row_gemms_on_fewer_programs_than_sms():
+    """A one-row GEMM whose grid has fewer programs than the device has SMs takes its K in 2 (or
+    4) slices until it has as many, where the slices are whole steps (gemv_split): the --tp 8
+    shards' GEMM1 at M=1-2 (8 x 8 = 64 and 128 programs of 64 words a step; 896 words: 4 slices
+    would not be whole), qwen3-235b-a22b --tp 8 (48 at M=1: 4 slices), mixtral-8x7b's GEMM2 at M=1
+    (2 x 64 = 128 programs). Not on grids of at least one program per SM (kimi-k2.6 --tp 1, --tp 8
+    from M=3), not on the CPU, not for a row that names its split."""
+    def splits(name, tp, m, limits=tm.H200_LIMITS, row=tm.ONE_ROW):
+        shape = presets.PRESETS[name].shape(tp)
+        cfg = tm.fit_to_device(dict(tm._config_for(shape, m, [(1 << 62, row)])), limits, shape, m)
+        return [cfg[g].get("split", 1) for g in ("g1", "g2")]
+
+    assert [splits("kimi-k2.6", 8, m) for m in (1, 2, 3, 4)] == [[2, 1], [2, 1], [1, 1], [1, 1]]
+    assert splits("deepseek-v3", 8, 1) == [2, 1]
+    assert [splits("qwen3-235b-a22b", 8, m) for m in (1, 2)] == [[4, 1], [2, 1]]
+    assert splits("mixtral-8x7b", 1, 1) == [1, 2]
+    assert [splits("kimi-k2.6", 1, m) for m in (1, 2, 4)] == [[1, 1]] * 3
+    assert splits("qwen3-235b-a22b", 1, 1) == [1, 1]
+    assert splits("kimi-k2.6", 8, 1, limits=None) == [1, 1]
+    named = dict(tm.ONE_ROW, g1=dict(tm.ONE_ROW["g1"], split=1))
+    assert splits("kimi-k2.6", 8, 1, row=named) == [1, 1]
+    few_sms = tm.DeviceLimits("made-up GPU", (9, 0), 64, 232448)
+    assert splits("kimi-k2.6", 8, 1, limits=few_sms) == [1, 1]  # 64 programs: one per SM
+    # The backend sizes the slices' partials and GEMM1's arrival counts when it is made.
+    shape = presets.PRESETS["kimi-k2.6"].shape(8)
+    cfg = tm.fit_to_device(dict(tm._config_for(shape, 2, [(1 << 62, tm.ONE_ROW)])), tm.H200_LIMITS, shape, 2)
+    assert tm.gemv_split(cfg["g1"], shape.hidden) == 2 and cfg["g1"]["bn"] == 32
+
+
 def test_configs_used_names_the_path_and_the_table():
     shape = quant.MoEShape(experts=64, hidden=256, inter=128, topk=2, group_size=32)  # one-row up to M=8
     moe = tm.TritonW4A16MoE(quant.random_weights(shape, "cpu"), max_m=64)

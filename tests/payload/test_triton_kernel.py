@@ -278,6 +278,38 @@ def test_one_row_fusions_give_the_rows_of_the_three_step_form():
     assert relative_error(out, plain) < 2e-3
 
 
+@pytest.mark.parametrize("pf", [False, True], ids=["plain", "pf"])
+@pytest.mark.parametrize("which", ["g1", "g2"])
+def test_split_one_row_gemms_add_up_their_k_slices(which, pf):
+    """A one-row GEMM's `split`: each program takes one of K's slices (a whole number of steps).
+    GEMM2's slices go to float32 partial rows the top-k sum adds up; GEMM1's to float32 partials
+    that the tile's last program to arrive adds up in slice order before SiLU, setting the
+    tile's arrival count back to zero (a second forward gives the same bits; the counts and
+    partials are made with the backend, not inside a graph's capture). Against the
+    reference, and against the unsplit rows within float32 rounding of the partial sums. A split
+    that does not divide K's steps is lowered until it does (steps of 4 words: GEMM2's K = 128
+    takes 4 slices at most, GEMM1's K = 96 three)."""
+    shape = quant.MoEShape(experts=6, hidden=96, inter=128, topk=3, group_size=32)
+    weights = quant.random_weights(shape, "cpu", seed=5)
+    x, ids, wts = random_inputs(shape, 3, torch.float32, seed=12)
+    plain = tm.TritonW4A16MoE(weights, max_m=4, table=gemv_table(bkw=4, pf=pf))(x, ids, wts)
+    ran_as = {"g1": ((2, 1), (3, 3), (4, 3)), "g2": ((2, 2), (4, 4), (3, 2), (8, 4))}[which]
+    for split, ran in ran_as:
+        row = gemv_table(bkw=4, pf=pf)[0][1]
+        moe = tm.TritonW4A16MoE(weights, max_m=4, table=[(1 << 62, dict(row, **{which: dict(row[which], split=split)}))])
+        out = moe(x, ids, wts)
+        k = shape.hidden if which == "g1" else shape.inter
+        assert tm.gemv_split(moe.configs_used(3)[which], k) == ran, (split, ran)
+        assert relative_error(out, reference(weights, x, ids, wts)) < 2e-4
+        assert relative_error(out, plain) < 1e-5
+        if which == "g1" and ran > 1:
+            # (sized when the backend was made, for max_m 4: a count per slot and column tile)
+            assert moe._gemv_sem.numel() == 4 * 3 * (shape.inter // 32) and not moe._gemv_sem.any()
+            assert torch.equal(moe(x, ids, wts), out)
+    assert tm.gemv_split(dict(bkw=16), 2048) == 1 and tm.gemv_split(dict(bkw=16, split=2), 2048) == 2
+    assert tm.gemv_split(dict(bkw=32, split=4), 768) == 3
+
+
 @pytest.mark.parametrize("bkw", [4, 8, 64], ids=["bkw4", "bkw8", "bkw64"])
 def test_prefetching_one_row_rows_give_the_bits_of_the_plain_ones(bkw):
     """`pf` loads each step's words, scales and activations one step ahead (register double
@@ -496,12 +528,16 @@ def test_block_m_8_rows_on_the_gpu(m, row):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
                     reason="needs a CUDA GPU and compiled kernels (TRITON_INTERPRET=0)")
-@pytest.mark.parametrize("row,m", [("one-row", 3), ("one-row-sorted", 3), ("mma8", 9), ("bm16", 24)])
+@pytest.mark.parametrize("row,m", [("one-row", 3), ("one-row-sorted", 3), ("one-row-split", 3), ("mma8", 9),
+                                   ("bm16", 24)])
 def test_pdl_forwards_in_one_graph_equal_the_serial_ones(row, m):
     """With programmatic dependent launch each kernel may start before the one before it ends;
     a wait in the wrong place would read the previous forward's intermediate or routing. Eight
     forwards over eight inputs and routings in one CUDA graph, launched with PDL, must equal
-    bitwise the same forwards launched one by one without it."""
+    bitwise the same forwards launched one by one without it. "one-row-split": both one-row
+    GEMMs in K slices (GEMM1's added up by the last program of a tile to arrive, its count back
+    at zero for the next forward): a count left over, or a partial read before it was stored,
+    would differ."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90 or later")
     shape = quant.MoEShape(experts=16, hidden=1024, inter=1024, topk=4, group_size=32)
@@ -509,7 +545,9 @@ def test_pdl_forwards_in_one_graph_equal_the_serial_ones(row, m):
     # "one-row-sorted": the slots grouped by expert first (`sort`), so GEMM1 reads the forward's
     # own order and waits at once.
     by_expert = dict(block_m=1, g1=dict(tm.ONE_ROW["g1"], sort=True), g2=tm.ONE_ROW["g2"])
-    rows = {"one-row": tm.ONE_ROW, "one-row-sorted": by_expert, "mma8": tm.MMA8, "bm16": tm.TENSOR_BM16}
+    split = dict(block_m=1, g1=dict(tm.ONE_ROW["g1"], split=2), g2=dict(tm.ONE_ROW["g2"], split=2))
+    rows = {"one-row": tm.ONE_ROW, "one-row-sorted": by_expert, "one-row-split": split, "mma8": tm.MMA8,
+            "bm16": tm.TENSOR_BM16}
     table = [(1 << 62, rows[row])]
     fast = tm.TritonW4A16MoE(weights, max_m=32, table=table)
     serial = tm.TritonW4A16MoE(weights, max_m=32, table=table, pdl=False)
@@ -535,3 +573,5 @@ def test_pdl_forwards_in_one_graph_equal_the_serial_ones(row, m):
             torch.cuda.synchronize()
             assert torch.equal(outs[i], expected), f"forward {i} of the graph differs from the serial one"
     assert cli.relative_error(outs[0], reference_moe(weights, *inputs[0])) < 1e-2
+    if row == "one-row-split":
+        assert fast._g2_split == 2 and fast._gemv_sem.numel() and not fast._gemv_sem.any()
