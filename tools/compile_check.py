@@ -102,7 +102,7 @@ def _pdl(target) -> bool:
 def compile_gemv(which: int, g: dict, group: int = 32, *, target=None, topk: int = 8, by_expert=None):
     """The one-row kernel as GEMM1 (gate/up, float32 intermediate out) or GEMM2. by_expert: the
     slot order (the table's GEMM1 `sort` decides it for both GEMMs); default g's own."""
-    split = max(1, int(g.get("split", 1)))  # (the launch may lower it to divide K: tm.gemv_split)
+    split = max(1, int(g.get("split", 1)))  # (portability_jobs gives the launch's: tm.gemv_split)
     signature = dict(SIGNATURE_GEMV, out_ptr="*fp32" if which == 1 or split > 1 else "*bf16")
     constants = dict(TOPK=topk, GROUP=group, BLOCK_N=g["bn"], BLOCK_KW=g["bkw"], GATE_UP=which == 1,
                      CONVERT_ASM=bool(g.get("asm", False)), INTER_DTYPE=tm.tl.bfloat16,
@@ -302,6 +302,8 @@ def portability_jobs(archs: list[int], shapes) -> list[dict]:
                 cfg = tm.fit_to_device(tm._config_for(shape, m, table), limits, shape, m)
                 by_expert = bool(cfg["g1"].get("sort", False))
                 for which, g, k in ((1, cfg["g1"], shape.hidden), (2, cfg["g2"], shape.inter)):
+                    if g.get("gemv") and "split" in g:  # the K slices the launch takes at this K
+                        g = dict(g, split=tm.gemv_split(g, k))
                     overlap = bool(g.get("swap")) and arch == 90 and not g.get("gemv") and not g.get("mma8")
                     job = dict(arch=arch, which=which, block_m=cfg["block_m"], g=g, group=shape.group_size,
                                topk=shape.topk, num_bins=tm.triton.next_power_of_2(shape.experts + 1),

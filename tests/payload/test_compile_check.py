@@ -133,6 +133,27 @@ def test_the_compiled_forms_wait_for_the_kernel_before_where_pdl_runs(arch, pdl)
     assert result.stdout.split("\n")[:3] == [expected] * 3, result.stdout
 
 
+def test_split_one_row_gemms_are_compiled_as_launched_with_16_byte_loads():
+    """The --tp 8 shards' GEMM1 at M=1-2 runs in 2 K slices on an H100/H200 (fit_to_device): the
+    check compiles it so (the split the launch takes at that K, named in the label), and the
+    split kernel loads its weights 16 bytes at a time like the unsplit one (the slice bounds
+    are said to be multiples of the step; without that the loads fall to 4 bytes)."""
+    code = (
+        "import json, re, sys; sys.path[:0] = ['files', 'tools']\n"
+        "import compile_check as cc\n"
+        "jobs = cc.portability_jobs([90], cc.shapes_for(['kimi-k2.6'], [8]))\n"
+        "g1 = [j for j in jobs if j.get('which') == 1 and j['g'].get('gemv') and 'kimi-k2.6 tp8 M=1' in j['used_by']]\n"
+        "label = cc.check_job(dict(g1[0], used_by=list(g1[0]['used_by'])))['label']\n"
+        "wide = [len(re.findall(r'LDG\\.E\\.128', cc.describe(cc.compile_gemv(1, dict(g1[0]['g'], split=s)))['sass']))\n"
+        "        for s in (1, g1[0]['g']['split'])]\n"
+        "print(json.dumps([len(g1), g1[0]['g']['split'], g1[0]['used_by'], label, wide]))\n")
+    count, split, used_by, label, wide = json.loads(run_code(code, timeout=600).stdout.strip().splitlines()[-1])
+    assert count == 1 and split == 2
+    assert used_by == ["kimi-k2.6 tp8 M=1", "kimi-k2.6 tp8 M=2"]
+    assert "split=2" in label
+    assert wide[0] > 0 and wide[1] == wide[0], wide
+
+
 def test_serialised_warp_group_mmas_are_a_problem():
     # Nothing is compiled: the counts are the Gluon
     # GEMM1's as shipped (96 HGMMA, 12 waits) and with its MMAs left in flight across the K loop's
