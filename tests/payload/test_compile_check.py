@@ -168,3 +168,40 @@ def test_serialised_warp_group_mmas_are_a_problem():
     shipped, serialised, no_wgmma = json.loads(result.stdout.strip().splitlines()[-1])
     assert shipped is None and no_wgmma is None
     assert "serialised" in serialised and "96 waits for 96 HGMMA" in serialised
+
+
+def test_a_spill_inside_a_loop_fails_and_a_frame_touched_only_outside_loops_does_not():
+    # Nothing is compiled: SASS in cuobjdump's form. The parked case is what Triton 3.6 (the GPU
+    # host's) makes of the block_m 8 GEMM1 at the mixtral-8x7b shape on sm_90: 128 registers,
+    # one STL before the K loop and one LDL after it; with Triton 3.9 it has no frame at all.
+    code = r'''
+import json, compile_check as cc
+def sass(*body):
+    lines = ["        /*0000*/                   LDC R1, c[0x0][0x28] ;",
+             "        /*0010*/                   VIADD R1, R1, 0xfffffff8 ;"]
+    lines += [f"        /*{a:04x}*/                   {op} ;" for a, op in body]
+    return "\n".join(lines + ["        /*0400*/                   EXIT ;", "        /*0410*/                   BRA 0x410;"])
+loop = [(0x100, "LDG.E R4, desc[UR6][R2.64]"), (0x180, "@P0 BRA.U 0x100")]
+cases = dict(
+    untouched=sass(*loop),
+    parked=sass((0x20, "STL [R1], R15"), *loop, (0x200, "LDL.LU R56, [R1]")),
+    in_loop=sass((0x20, "STL [R1], R15"), (0x100, "LDG.E R4, desc[UR6][R2.64]"), (0x120, "LDL R7, [R1]"),
+                 (0x180, "@P0 BRA 0x100")),
+    address_taken=sass(*loop, (0x200, "IADD3 R4, R1, 0x8, RZ")),
+    many=sass(*[(0x20 + 16 * i, "STL [R1], R15") for i in range(3)], *loop,
+              *[(0x200 + 16 * i, "LDL R5, [R1]") for i in range(3)]),
+)
+out = {}
+for name, text in cases.items():
+    d = dict(regs=128, shared=512, local=0, stack=8, stack_use=cc.stack_use(text))
+    out[name] = [d["stack_use"], cc.fit_problems(d, 90, cc.ARCHS[90], threads=128)]
+print(json.dumps(out))
+'''
+    out = json.loads(run_code(code, timeout=120).stdout.strip().splitlines()[-1])
+    assert out["untouched"] == [{"in_loop": 0, "outside": 0}, []]
+    assert out["parked"] == [{"in_loop": 0, "outside": 2}, []]
+    for name in ("in_loop", "address_taken", "many"):
+        use, problems = out[name]
+        assert len(problems) == 1 and problems[0].startswith("spills: 0 B local memory, 8 B stack"), (name, out[name])
+    assert out["in_loop"][0] == {"in_loop": 1, "outside": 1}
+    assert out["address_taken"][0]["in_loop"] == 1 and out["many"][0] == {"in_loop": 0, "outside": 6}
