@@ -202,6 +202,15 @@ def common_arguments(parser, m_list: str, budget_s: float) -> None:
     parser.add_argument("--budget-s", type=float, default=budget_s, help="stop replaying an M after this (at least 5)")
 
 
+def round_order(items: list, index: int) -> list:
+    """The order the compared rows or paths run in round index (path_compare, row_compare): as
+    given in even rounds, reversed in odd ones, so with an even number of rounds each one runs
+    as often in each position. At large M the GPU is at its power limit and what runs later in
+    a round finds it hotter: in a fixed order the first of two bm128 tile sets was 4-5% faster
+    at kimi-k2.6 M=3072 whichever set it was (PERFORMANCE.md rounds 30 and 32)."""
+    return list(items) if index % 2 == 0 else list(items)[::-1]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common_arguments(parser, m_list="1,2,4,8,16,32,64,128,256,512,1024,2048", budget_s=1.5)

@@ -1,8 +1,9 @@
 """The Gluon warp-specialised path against the plain-Triton tensor-core path, side by side in
 one process on the same weights (issue 17, item 1): per M, each checked against the float32
 reference on fresh poisoned inputs (tools/graph_timing.check_m), then timed the independent
-way (graph_timing.graph_time_us: one CUDA graph of 8 forwards over 8 routings), all
-alternating for --rounds rounds.
+way (graph_timing.graph_time_us: one CUDA graph of 8 forwards over 8 routings), for
+--rounds rounds, in the order given in even rounds and reversed in odd ones
+(graph_timing.round_order: give an even number, or a column's place weighs on its figure).
 
   PYTHONPATH=files:tools python3 tools/path_compare.py --preset kimi-k2.6 --m-list 1024,2048,4096,8192 [--all-m]
 
@@ -79,8 +80,8 @@ def main(argv=None) -> int:
                  for n, _, _ in columns)
         if ok:
             times = {n: [] for n, _, _ in columns}
-            for _ in range(args.rounds):
-                for name, moe, rows in columns:
+            for index in range(args.rounds):
+                for name, moe, rows in gt.round_order(columns, index):
                     gluon_moe.GLUON_TILE_ROWS = rows
                     times[name].append(gt.graph_time_us(moe, shape, m, device, 0, 200, args.budget_s)["us"])
             floor = perfmodel.floor_us(shape, m, gt.FIELD_NOTES_BANDWIDTH_GBPS, gt.FIELD_NOTES_TFLOPS)

@@ -1,6 +1,7 @@
 """Table rows side by side on one GPU, timed the independent way (tools/graph_timing.py): per
 M, each row checked against the float32 reference on fresh poisoned inputs, then one CUDA
-graph of 8 forwards over 8 routings per row, the rows alternating for --rounds rounds.
+graph of 8 forwards over 8 routings per row, the rows alternating for --rounds rounds (in
+the order given in even rounds, reversed in odd ones: graph_timing.round_order).
 
   PYTHONPATH=files:tools python3 tools/row_compare.py --preset kimi-k2.6 --m-list 1,2,4,8 \
       --row 'name={"block_m": 1, "g1": {...}, "g2": {...}}' [--row ...] --out rows.json
@@ -79,8 +80,8 @@ def main(argv=None) -> int:
                 checked[name] = f"error: {str(exc)[:300]}"
         ok = [n for n, e in checked.items() if isinstance(e, float) and e <= cli.RELATIVE_ERROR_BOUND["bfloat16"]]
         times = {n: [] for n in ok}
-        for _ in range(args.rounds):
-            for name in ok:
+        for index in range(args.rounds):
+            for name in gt.round_order(ok, index):
                 times[name].append(gt.graph_time_us(rows[name], shape, m, device, 0, 200, args.budget_s)["us"])
         for name, err in checked.items():
             rec = dict(m=m, row=name, rel_err=err, config=rows[name].configs_used(m), floor_us=floor)

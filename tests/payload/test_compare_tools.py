@@ -1,0 +1,48 @@
+"""The side-by-side timing tools (tools/path_compare.py, tools/row_compare.py): what they compare
+runs in each place of a round as often as the others over an even number of rounds. At large M
+the GPU sits at its power limit and what runs later in a round finds it hotter; in a fixed order
+the first of two bm128 tile sets was 4-5% faster at kimi-k2.6 M=3072 whichever set it was
+(PERFORMANCE.md rounds 30 and 32)."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+
+import graph_timing as gt  # noqa: E402
+
+
+def test_round_order_reverses_in_odd_rounds_so_each_place_is_shared():
+    names = ["gluon0", "gluon1", "triton"]
+    orders = [gt.round_order(names, index) for index in range(4)]
+    assert orders == [names, names[::-1], names, names[::-1]]
+    for name in names:  # over two rounds: first once and last once, or the middle twice
+        places = [order.index(name) for order in orders[:2]]
+        assert sum(places) == len(names) - 1
+    assert names == ["gluon0", "gluon1", "triton"]  # the caller's list is left as it was
+
+
+def _timing_loops(tool: str) -> list[ast.For]:
+    """The innermost loop around each of the tool's gt.graph_time_us calls."""
+    tree = ast.parse((REPO_ROOT / "tools" / tool).read_text())
+    parent = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    loops = []
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call) and ast.unparse(call.func) == "gt.graph_time_us":
+            node = call
+            while node in parent and not isinstance(node, ast.For):
+                node = parent[node]
+            loops.append(node)
+    return loops
+
+
+def test_path_compare_and_row_compare_time_in_round_order():
+    for tool in ("path_compare.py", "row_compare.py"):
+        loops = _timing_loops(tool)
+        assert loops, tool
+        for loop in loops:
+            assert ast.unparse(loop.iter).startswith("gt.round_order("), (tool, ast.unparse(loop.iter))
