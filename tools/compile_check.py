@@ -376,7 +376,8 @@ def fit_problems(d: dict, arch: int, limits, threads: int) -> list[str]:
         problems.append(f"{d['regs']} registers x {threads} threads do not fit sm_{arch}'s register file")
     if d["local"] > 0 or (d["stack"] > 0 and not stack_parked(d)):
         problems.append(f"spills: {d['local']} B local memory, {d['stack']} B stack per thread"
-                        + (f" ({d['stack_use']['in_loop']} accesses inside a loop)" if "stack_use" in d else ""))
+                        + (f" ({d['stack_use']['in_loop']} accesses inside a loop, {d['stack_use']['outside']} "
+                           "outside every loop)" if "stack_use" in d else ""))
     return problems
 
 

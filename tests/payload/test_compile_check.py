@@ -205,3 +205,5 @@ print(json.dumps(out))
         assert len(problems) == 1 and problems[0].startswith("spills: 0 B local memory, 8 B stack"), (name, out[name])
     assert out["in_loop"][0] == {"in_loop": 1, "outside": 1}
     assert out["address_taken"][0]["in_loop"] == 1 and out["many"][0] == {"in_loop": 0, "outside": 6}
+    assert "(1 accesses inside a loop, 1 outside every loop)" in out["in_loop"][1][0]
+    assert "(0 accesses inside a loop, 6 outside every loop)" in out["many"][1][0]
