@@ -5,11 +5,9 @@ instructions that matter (a development tool, not the payload).
 Portability (issue 17, item 5): every configuration any preset's table uses, for every
 architecture asked for, with the installed Triton; exit 1 when one fails to compile, does not
 fit the architecture (shared memory per block, registers per thread and per SM, any spill to
-local memory: a load or store of the stack frame inside a loop, or more than a few outside
-every loop; a frame never touched, or a value parked once per program, is noted) or, on
-sm_90, runs warp-group MMAs whose register operand is overwritten in flight in the form the
-backend would keep, or (the Gluon GEMMs) whose MMAs the compiler serialised (a wait after
-every one: wgmma_serialised):
+local memory) or, on sm_90, runs warp-group MMAs whose register operand is overwritten in
+flight in the form the backend would keep, or (the Gluon GEMMs) whose MMAs the compiler
+serialised (a wait after every one: wgmma_serialised):
 
   PYTHONPATH=files python3 tools/compile_check.py --arch sm_80,sm_89,sm_90,sm_100,sm_120 --preset all [--tp 1,8] [--jobs 2]
 
@@ -217,38 +215,7 @@ def describe(compiled) -> dict:
     ptx = compiled.asm["ptx"]
     return dict(regs=int(regs.group(1)) if regs else -1, stack=int(stack.group(1)) if stack else -1,
                 local=int(local.group(1)) if local else -1, shared=compiled.metadata.shared,
-                wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"), counts=counts, sass=sass,
-                stack_use=stack_use(sass))
-
-
-def stack_use(sass: str) -> dict:
-    """How the code uses its stack frame: local loads and stores (LDL / STL, how ptxas spills)
-    inside a loop (between a backward branch's target and the branch) and outside every loop,
-    and whether anything else reads R1, the stack pointer, past the prologue's frame set-up (a
-    local array's address taken: counted as in a loop, the safe side). ptxas can reserve a
-    frame it never touches (Triton 3.6's block_m 8 GEMM1 at the kimi-k2.6 shape: 8 B, R1 loaded
-    and never read), or park one value there for the loop's length (the same kernel at the
-    mixtral-8x7b shape: one STL before the K loop, one LDL after it)."""
-    lines = []
-    for line in sass.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?);", line)
-        if m:
-            lines.append((int(m.group(1), 16), m.group(2)))
-    loops = []
-    for addr, code in lines:
-        b = re.search(r"\bBRA\b[^;]*?0x([0-9a-f]+)", code)
-        if b and int(b.group(1), 16) < addr:
-            loops.append((int(b.group(1), 16), addr))
-    use = dict(in_loop=0, outside=0)
-    for addr, code in lines:
-        local = re.search(r"\b(LDL|STL)\b", code)
-        other = (not local and re.search(r"\bR1\b", code)
-                 and not re.match(r"(LDC|MOV)\s+R1\s*,\s*c\[|(VIADD|IADD3)\s+R1\s*,\s*R1\s*,", code))
-        if other or (local and any(lo <= addr <= hi for lo, hi in loops)):
-            use["in_loop"] += 1
-        elif local:
-            use["outside"] += 1
-    return use
+                wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"), counts=counts, sass=sass)
 
 
 def candidates_main(args) -> int:
@@ -374,23 +341,9 @@ def fit_problems(d: dict, arch: int, limits, threads: int) -> list[str]:
         problems.append(f"shared memory {d['shared']} B over sm_{arch}'s {limits.smem_per_block} B per block")
     if d["regs"] > MAX_REGISTERS_PER_THREAD or d["regs"] * threads > REGISTERS_PER_SM:
         problems.append(f"{d['regs']} registers x {threads} threads do not fit sm_{arch}'s register file")
-    if d["local"] > 0 or (d["stack"] > 0 and not stack_parked(d)):
-        problems.append(f"spills: {d['local']} B local memory, {d['stack']} B stack per thread"
-                        + (f" ({d['stack_use']['in_loop']} accesses inside a loop, {d['stack_use']['outside']} "
-                           "outside every loop)" if "stack_use" in d else ""))
+    if d["local"] > 0 or d["stack"] > 0:
+        problems.append(f"spills: {d['local']} B local memory, {d['stack']} B stack per thread")
     return problems
-
-
-# At most this many local loads and stores outside every loop, none inside one: a value parked
-# for a loop's length, once per program (a few bytes of traffic against the kernel's megabytes).
-PARKED_ACCESSES = 4
-
-
-def stack_parked(d: dict) -> bool:
-    """A stack frame that costs no memory traffic to speak of: never touched, or touched by at
-    most PARKED_ACCESSES local loads and stores, all outside every loop (stack_use)."""
-    use = d.get("stack_use")
-    return use is not None and use["in_loop"] == 0 and use["outside"] <= PARKED_ACCESSES
 
 
 def wgmma_serialised(counts: dict) -> str | None:
@@ -476,11 +429,6 @@ def check_job(job: dict) -> dict:
     if job["g"].get("mma8") and "HMMA.16816.F32.BF16" not in d["sass"]:
         problems.append("no bf16 mma.sync (HMMA.16816.F32.BF16) in the compiled code")
     problems += fit_problems(d, arch, limits, threads=32 * warps)
-    if d["stack"] > 0 and not d["local"] and stack_parked(d):
-        outside = d["stack_use"]["outside"]
-        notes.append(f"{d['stack']} B stack frame, " + (f"{outside} local loads and stores outside every loop (a value "
-                     "parked for the loop's length, once per program)" if outside else "never touched")
-                     + ": not counted as a spill")
     summary = (f"regs {d['regs']:3d} smem {d['shared']:6d} local {d['local']} "
                + " ".join(f"{op}={d['counts'][op]}" for op in ("HGMMA", "HMMA") if d["counts"].get(op))
                + (f" UTCMMA={d['sass'].count('UTCHMMA') + d['sass'].count('UTCQMMA')}" if 100 <= arch < 120 else ""))
