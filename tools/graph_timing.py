@@ -203,9 +203,10 @@ def common_arguments(parser, m_list: str, budget_s: float) -> None:
 
 
 def round_order(items: list, index: int) -> list:
-    """The order the compared rows or paths run in round index (path_compare, row_compare): as
-    given in even rounds, reversed in odd ones, so with an even number of rounds each one runs
-    as often in each position. At large M the GPU is at its power limit and what runs later in
+    """The order the compared rows or paths run in round index (path_compare, row_compare, and
+    this script's --interleave for the harness and the graph): as given in even rounds,
+    reversed in odd ones, so with an even number of rounds each one runs as often in each
+    position. At large M the GPU is at its power limit and what runs later in
     a round finds it hotter: in a fixed order the first of two bm128 tile sets was 4-5% faster
     at kimi-k2.6 M=3072 whichever set it was (PERFORMANCE.md rounds 30 and 32)."""
     return list(items) if index % 2 == 0 else list(items)[::-1]
@@ -286,20 +287,18 @@ def main(argv=None) -> int:
             rounds, windows = [], []
             sampler = ClockSampler(device) if args.clocks else None
             for index in range(args.interleave):
-                # The order alternates: whichever runs second finds the GPU warmer (its clock falls
-                # as it nears the power limit), so a fixed order biases the comparison.
-                t0 = time.time()
-                if index % 2:
-                    graph = graph_time_us(moe, shape, m, device, args.seed, args.replays, args.budget_s, offset)
-                    t1 = time.time()
-                    _, harness_timing = cli.time_one_m(settings, backend, m, activation_dtype(device), device)
-                    windows += [("graph", t0, t1, graph["us"]), ("harness", t1, time.time(), harness_timing.us)]
-                else:
-                    _, harness_timing = cli.time_one_m(settings, backend, m, activation_dtype(device), device)
-                    t1 = time.time()
-                    graph = graph_time_us(moe, shape, m, device, args.seed, args.replays, args.budget_s, offset)
-                    windows += [("harness", t0, t1, harness_timing.us), ("graph", t1, time.time(), graph["us"])]
-                rounds.append((harness_timing.us, graph))
+                # The order alternates (round_order): whichever runs second finds the GPU warmer
+                # (its clock falls as it nears the power limit), so a fixed order biases the comparison.
+                took = {}
+                for which in round_order(("harness", "graph"), index):
+                    t0 = time.time()
+                    if which == "graph":
+                        graph = graph_time_us(moe, shape, m, device, args.seed, args.replays, args.budget_s, offset)
+                        took[which] = graph["us"]
+                    else:
+                        took[which] = cli.time_one_m(settings, backend, m, activation_dtype(device), device)[1].us
+                    windows.append((which, t0, time.time(), took[which]))
+                rounds.append((took["harness"], graph))
             if sampler is not None:
                 row["clock_rounds"] = sampler.summarise(windows)
                 for line in row["clock_rounds"]:

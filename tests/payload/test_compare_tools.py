@@ -1,8 +1,8 @@
-"""The side-by-side timing tools (tools/path_compare.py, tools/row_compare.py): what they compare
-runs in each place of a round as often as the others over an even number of rounds. At large M
-the GPU sits at its power limit and what runs later in a round finds it hotter; in a fixed order
-the first of two bm128 tile sets was 4-5% faster at kimi-k2.6 M=3072 whichever set it was
-(PERFORMANCE.md rounds 30 and 32)."""
+"""The side-by-side timing tools (tools/path_compare.py, tools/row_compare.py, tools/graph_timing.py
+--interleave): what they compare runs in each place of a round as often as the others over an
+even number of rounds. At large M the GPU sits at its power limit and what runs later in a round
+finds it hotter; in a fixed order the first of two bm128 tile sets was 4-5% faster at kimi-k2.6
+M=3072 whichever set it was (PERFORMANCE.md rounds 30 and 32)."""
 
 from __future__ import annotations
 
@@ -26,13 +26,13 @@ def test_round_order_reverses_in_odd_rounds_so_each_place_is_shared():
     assert names == ["gluon0", "gluon1", "triton"]  # the caller's list is left as it was
 
 
-def _timing_loops(tool: str) -> list[ast.For]:
-    """The innermost loop around each of the tool's gt.graph_time_us calls."""
+def _timing_loops(tool: str, callee: str = "gt.graph_time_us") -> list[ast.For]:
+    """The innermost loop around each of the tool's calls of callee."""
     tree = ast.parse((REPO_ROOT / "tools" / tool).read_text())
     parent = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     loops = []
     for call in ast.walk(tree):
-        if isinstance(call, ast.Call) and ast.unparse(call.func) == "gt.graph_time_us":
+        if isinstance(call, ast.Call) and ast.unparse(call.func) == callee:
             node = call
             while node in parent and not isinstance(node, ast.For):
                 node = parent[node]
@@ -40,9 +40,10 @@ def _timing_loops(tool: str) -> list[ast.For]:
     return loops
 
 
-def test_path_compare_and_row_compare_time_in_round_order():
-    for tool in ("path_compare.py", "row_compare.py"):
-        loops = _timing_loops(tool)
+def test_path_compare_row_compare_and_the_interleave_time_in_round_order():
+    for tool, callee in (("path_compare.py", "gt.graph_time_us"), ("row_compare.py", "gt.graph_time_us"),
+                         ("graph_timing.py", "cli.time_one_m")):  # --interleave: the harness beside the graph
+        loops = _timing_loops(tool, callee)
         assert loops, tool
         for loop in loops:
-            assert ast.unparse(loop.iter).startswith("gt.round_order("), (tool, ast.unparse(loop.iter))
+            assert ast.unparse(loop.iter).split("(")[0] in ("gt.round_order", "round_order"), (tool, ast.unparse(loop.iter))
