@@ -72,9 +72,10 @@ unit: venv
 payload-test: venv
 	.venv-payload/bin/pytest -q -n $(TEST_WORKERS) -m "not full_compile_check and not gpu" tests/payload --junitxml=.cache/junit-payload.xml
 
-## compile-check: every preset's kernel configurations compiled for sm_80/89/90/100/120, checked to fit (a few minutes; payload-test runs a one-minute subset)
+## compile-check: every preset's kernel configurations compiled for sm_80/89/90/100/120, checked to fit, with the venv's Triton and the lowest supported (requirements/triton-floor.txt; a few minutes each; payload-test runs a one-minute subset)
 compile-check: venv
 	TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=files:tools .venv-payload/bin/python tools/compile_check.py --arch sm_80,sm_89,sm_90,sm_100,sm_120 --preset all
+	TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=.venv-payload/triton-floor:files:tools .venv-payload/bin/python tools/compile_check.py --arch sm_80,sm_89,sm_90,sm_100,sm_120 --preset all
 
 molecule: venv host-image
 	tests/run-molecule

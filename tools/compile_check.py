@@ -306,7 +306,7 @@ def portability_jobs(archs: list[int], shapes) -> list[dict]:
                         g = dict(g, split=tm.gemv_split(g, k))
                     overlap = bool(g.get("swap")) and arch == 90 and not g.get("gemv") and not g.get("mma8")
                     job = dict(arch=arch, which=which, block_m=cfg["block_m"], g=g, group=shape.group_size,
-                               topk=shape.topk, num_bins=tm.triton.next_power_of_2(shape.experts + 1),
+                               topk=shape.topk, num_bins=tm.num_bins(shape),
                                k=k if overlap else 0, overlap=overlap, by_expert=by_expert if g.get("gemv") else None)
                     key = json.dumps(job, sort_keys=True)
                     if key not in seen:

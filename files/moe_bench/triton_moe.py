@@ -1705,10 +1705,17 @@ def workspace_bytes(shape: quant.MoEShape, m: int, dtype_bytes: int = 2) -> int:
     )
 
 
+# The fewest bins (NUM_BINS): one per thread of a four-warp program. With fewer, each thread
+# holds every bin of _block_owner's count, and ptxas parked a value in local memory to keep the
+# block_m 8 GEMM1 at 128 registers on sm_90 (mixtral-8x7b's 8 experts, 16 bins, Triton 3.6;
+# no frame from 128 bins: PERFORMANCE.md round 33).
+MIN_BINS = 128
+
+
 def num_bins(layer: quant.MoEShape) -> int:
     """The expert histogram's bins (NUM_BINS): a power of two above the layer's expert count,
-    so the last bin is never an expert."""
-    return triton.next_power_of_2(layer.experts + 1)
+    so the last bin is never an expert, and at least MIN_BINS."""
+    return max(MIN_BINS, triton.next_power_of_2(layer.experts + 1))
 
 
 # ---------------------------------------------------------------------------

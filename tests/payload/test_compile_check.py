@@ -36,17 +36,26 @@ def _triton_nvidia_tools() -> bool:
 pytestmark = pytest.mark.skipif(not _triton_nvidia_tools(), reason="Triton with its NVIDIA backend tools is needed")
 
 
-def _tool_env() -> dict:
+# The lowest Triton the payload supports (the GPU host's), installed beside the venv's own by
+# scripts/bootstrap (requirements/triton-floor.txt).
+TRITON_FLOOR_DIR = REPO_ROOT / ".venv-payload" / "triton-floor"
+TRITON_FLOOR_VERSION = next(line.split("==")[1].strip() for line in
+                            (REPO_ROOT / "requirements" / "triton-floor.txt").read_text().splitlines()
+                            if line.startswith("triton=="))
+
+
+def _tool_env(triton_floor: bool = False) -> dict:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the tool compiles for real GPU targets
-    env["PYTHONPATH"] = os.pathsep.join((str(REPO_ROOT / "files"), str(REPO_ROOT / "tools")))
+    paths = [str(REPO_ROOT / "files"), str(REPO_ROOT / "tools")]
+    env["PYTHONPATH"] = os.pathsep.join(([str(TRITON_FLOOR_DIR)] if triton_floor else []) + paths)
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default, stated (newer Triton warns otherwise)
     return env
 
 
-def run_check(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+def run_check(*args: str, timeout: float = 900, triton_floor: bool = False) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "compile_check.py"), *args],
-                          capture_output=True, text=True, timeout=timeout, env=_tool_env(), cwd=REPO_ROOT)
+                          capture_output=True, text=True, timeout=timeout, env=_tool_env(triton_floor), cwd=REPO_ROOT)
 
 
 def run_code(code: str, timeout: float) -> subprocess.CompletedProcess:
@@ -64,10 +73,18 @@ def _assert_clean(result: subprocess.CompletedProcess) -> None:
     assert "FAIL" not in result.stdout
 
 
-def test_kimi_table_compiles_and_fits_on_every_architecture():
+@pytest.mark.parametrize("triton_floor", [False, True], ids=["installed-triton", "triton-floor"])
+def test_kimi_table_compiles_and_fits_on_every_architecture(triton_floor):
+    """With the venv's Triton and with the lowest the payload supports (the GPU host's): each
+    release's ptxas allocates registers its own way (Triton 3.6's spilled mixtral-8x7b's block_m 8
+    GEMM1 on sm_90 where 3.9's did not, PERFORMANCE.md round 33)."""
+    if triton_floor and not (TRITON_FLOOR_DIR / "triton").is_dir():
+        pytest.skip(f"Triton {TRITON_FLOOR_VERSION} is not at {TRITON_FLOOR_DIR}: run scripts/bootstrap")
     jobs = str(min(2, os.cpu_count() or 1))
-    result = run_check("--arch", ARCHS, "--preset", "kimi-k2.6", "--tp", "1", "--jobs", jobs)
+    result = run_check("--arch", ARCHS, "--preset", "kimi-k2.6", "--tp", "1", "--jobs", jobs, triton_floor=triton_floor)
     _assert_clean(result)
+    if triton_floor:
+        assert result.stdout.startswith(f"triton {TRITON_FLOOR_VERSION}:"), result.stdout[:200]
     # The Gluon path: compiled and checked on sm_90, reported (not dropped) everywhere else.
     gluon = [line for line in result.stdout.splitlines() if "Gluon warp-specialised" in line]
     per_arch = 2 * len(gluon_moe.tile_sets())  # both GEMMs, each tile set the path ships
@@ -81,7 +98,8 @@ def test_kimi_table_compiles_and_fits_on_every_architecture():
     mma8 = [line for line in result.stdout.splitlines() if " mma8 " in line]
     for arch in ARCHS.split(","):
         assert sum(line.startswith(f"ok   {arch} GEMM") for line in mma8) == 2, mma8
-    _assert_clean(run_check("--arch", "sm_90", "--preset", "mixtral-8x7b", "--tp", "1", "--jobs", jobs))
+    _assert_clean(run_check("--arch", "sm_90", "--preset", "mixtral-8x7b", "--tp", "1", "--jobs", jobs,
+                            triton_floor=triton_floor))
 
 
 # Minutes on 2 cores: left out of `make test` by its marker (the payload phase runs
@@ -168,3 +186,22 @@ def test_serialised_warp_group_mmas_are_a_problem():
     shipped, serialised, no_wgmma = json.loads(result.stdout.strip().splitlines()[-1])
     assert shipped is None and no_wgmma is None
     assert "serialised" in serialised and "96 waits for 96 HGMMA" in serialised
+
+
+def test_the_check_compiles_the_histogram_bins_the_backend_launches():
+    """The kernels that find a block's expert take NUM_BINS as a constant: the check compiles
+    the count the backend launches with (triton_moe.num_bins), at least MIN_BINS even where a
+    layer has few experts (mixtral-8x7b's 8: with 16 bins its block_m 8 GEMM1 spilled on sm_90
+    with Triton 3.6, PERFORMANCE.md round 33)."""
+    code = (
+        "import json, sys; sys.path[:0] = ['files', 'tools']\n"
+        "import compile_check as cc\n"
+        "from moe_bench import triton_moe as tm\n"
+        "shapes = cc.shapes_for(['mixtral-8x7b', 'kimi-k2.6'], [1])\n"
+        "jobs = cc.portability_jobs([90], shapes)\n"
+        "print(json.dumps([sorted({j['num_bins'] for j in jobs if 'num_bins' in j and any(label in u for u in j['used_by'])})\n"
+        "                  for label, _ in shapes] + [[tm.num_bins(shape) for _, shape in shapes], tm.MIN_BINS]))\n")
+    mixtral, kimi, launched, least = json.loads(run_code(code, timeout=300).stdout.strip().splitlines()[-1])
+    assert least == 128
+    assert launched == [128, 512]
+    assert mixtral == [128] and kimi == [512]
