@@ -1708,7 +1708,8 @@ def workspace_bytes(shape: quant.MoEShape, m: int, dtype_bytes: int = 2) -> int:
 # The fewest bins (NUM_BINS): one per thread of a four-warp program. With fewer, each thread
 # holds every bin of _block_owner's count, and ptxas parked a value in local memory to keep the
 # block_m 8 GEMM1 at 128 registers on sm_90 (mixtral-8x7b's 8 experts, 16 bins, Triton 3.6;
-# no frame from 128 bins: PERFORMANCE.md round 33).
+# no frame from 128 bins). The price: the 128-wide sum crosses warps, mixtral-8x7b M=2-16 was
+# 0.4-1.0% slower on an H200 (PERFORMANCE.md round 33); the other presets had 256 bins or more.
 MIN_BINS = 128
 
 
