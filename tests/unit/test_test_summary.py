@@ -95,6 +95,31 @@ def test_a_failed_scenario_counts_as_failed(tree):
     (tree[1] / "molecule-recap.txt").write_text("ok      alpha (3 s)\nFAILED  beta (4 s)\nok      playbook (9 s)\n")
     rc, out = summary(tree)
     assert rc == 1 and out.splitlines()[-1] == "9 passed, 1 failed, 0 skipped", out
+    assert "test-summary: failed molecule: FAILED  beta (4 s)" in out.splitlines()[-2], out
+
+
+def test_each_failed_case_is_named_with_its_message_just_above_the_closing_line(tree):
+    """A CI log that keeps only its tail must still say which case broke (stop 42's did not)."""
+    cache = tree[1]
+    junit(cache / "junit-payload.xml", [("test_a", "pass"), ("test_floor_compiles", "fail")])
+    (cache / "lint.txt").write_text("fail\n")
+    rc, out = summary(tree)
+    lines = out.splitlines()
+    assert rc == 1 and lines[-1] == "8 passed, 2 failed, 0 skipped", out
+    assert lines[-3:-1] == ["test-summary: failed payload: tests.x::test_floor_compiles (boom)",
+                            "test-summary: failed lint: ansible-lint --profile production did not pass "
+                            "(its output is above)"], out
+
+
+def test_an_error_of_a_case_is_named_as_an_error(tree):
+    cache = tree[1]
+    (cache / "junit-unit.xml").write_text(
+        "<testsuites><testsuite name='pytest' tests='1' failures='0' errors='1' skipped='0'>"
+        "<testcase classname='tests.y' name='test_setup'><error message='fixture &quot;host&quot; failed'>"
+        "trace</error></testcase></testsuite></testsuites>")
+    rc, out = summary(tree)
+    assert rc == 1 and out.splitlines()[-1] == "8 passed, 1 failed, 0 skipped", out
+    assert "test-summary: failed unit: tests.y::test_setup (error: fixture \"host\" failed)" in out, out
 
 
 @pytest.mark.parametrize("report", ["junit-unit.xml", "molecule-recap.txt", "lint.txt"])
