@@ -24,7 +24,7 @@ demo: venv host-up
 # tests, which need neither: their builds wait on downloads and the disk, the tests on the CPU.
 # Molecule and the integration tests start once both images are there.
 test: venv engine controller-user
-	@mkdir -p .cache && rm -rf .cache/junit-*.xml .cache/molecule-recap.txt .cache/lint.txt .cache/images.* && touch .cache/test-run-started
+	@mkdir -p .cache && rm -rf .cache/junit-*.xml .cache/molecule-recap.txt .cache/lint.txt .cache/lint.log .cache/images.* && touch .cache/test-run-started
 	@status=0; \
 	( started=$$(date +%s); $(MAKE) --no-print-directory host-image ee-image > .cache/images.log 2>&1; \
 	  echo "$$? $$(( $$(date +%s) - started ))" > .cache/images.rc ) & images=$$!; \
@@ -64,7 +64,7 @@ controller-user:
 
 lint: venv
 	mkdir -p .cache
-	$(VENV)/bin/ansible-lint --profile production && echo pass > .cache/lint.txt || { echo fail > .cache/lint.txt; exit 1; }
+	$(VENV)/bin/ansible-lint --profile production 2>&1 | tee .cache/lint.log && echo pass > .cache/lint.txt || { echo fail > .cache/lint.txt; exit 1; }
 
 unit: venv
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) tests/unit --junitxml=.cache/junit-unit.xml

@@ -95,7 +95,28 @@ def test_a_failed_scenario_counts_as_failed(tree):
     (tree[1] / "molecule-recap.txt").write_text("ok      alpha (3 s)\nFAILED  beta (4 s)\nok      playbook (9 s)\n")
     rc, out = summary(tree)
     assert rc == 1 and out.splitlines()[-1] == "9 passed, 1 failed, 0 skipped", out
-    assert "test-summary: failed molecule: FAILED  beta (4 s)" in out.splitlines()[-2], out
+    assert out.splitlines()[-2] == "test-summary: failed molecule: FAILED beta (4 s) (whole log molecule-beta.log)", out
+
+
+def test_a_failed_scenario_is_named_with_its_last_failed_task_not_an_ignored_one(tree):
+    cache = tree[1]
+    (cache / "molecule-recap.txt").write_text("ok      alpha (3 s)\nFAILED  beta (4 s)\nok      playbook (9 s)\n")
+    (cache / "molecule-beta.log").write_text(
+        "TASK [Probe a unit that is not there] ***\n"
+        "fatal: [moe-bench-molecule-beta]: FAILED! => {\"msg\": \"expected\"}\n"
+        "...ignoring\n"
+        "FAILED - RETRYING: [moe-bench-molecule-beta]: Wait for the health endpoint (29 retries left).\n"
+        "TASK [Check the outcome] ***\n"
+        "fatal: [moe-bench-molecule-beta]: FAILED! => {\"assertion\": \"unit_active\",  \"msg\": \"the unit is down\"}\n"
+        "TASK [Put the unit back whatever happened] ***\n"
+        "fatal: [moe-bench-molecule-beta]: FAILED! => {\"msg\": \"already stopped\"}\n"
+        "...ignoring\n"
+        "PLAY RECAP ***\n")
+    rc, out = summary(tree)
+    assert rc == 1, out
+    assert out.splitlines()[-2] == ("test-summary: failed molecule: FAILED beta (4 s): fatal: [moe-bench-molecule-beta]: "
+                                    "FAILED! => {\"assertion\": \"unit_active\", \"msg\": \"the unit is down\"} "
+                                    "(whole log molecule-beta.log)"), out
 
 
 def test_each_failed_case_is_named_with_its_message_just_above_the_closing_line(tree):
@@ -103,12 +124,19 @@ def test_each_failed_case_is_named_with_its_message_just_above_the_closing_line(
     cache = tree[1]
     junit(cache / "junit-payload.xml", [("test_a", "pass"), ("test_floor_compiles", "fail")])
     (cache / "lint.txt").write_text("fail\n")
+    (cache / "lint.log").write_text("WARNING  Listing 1 violation(s) that are fatal\n\n"
+                                    "yaml[truthy]: Truthy value should be one of [false, true]\n"
+                                    "playbooks/moe_bench.yml:12\n\n"
+                                    "\x1b[31mFailed\x1b[0m: 1 failure(s), 0 warning(s) on 239 files.\n")
     rc, out = summary(tree)
     lines = out.splitlines()
     assert rc == 1 and lines[-1] == "8 passed, 2 failed, 0 skipped", out
-    assert lines[-3:-1] == ["test-summary: failed payload: tests.x::test_floor_compiles (boom)",
-                            "test-summary: failed lint: ansible-lint --profile production did not pass "
-                            "(its output is above)"], out
+    assert lines[-7:-1] == ["test-summary: failed payload: tests.x::test_floor_compiles (boom)",
+                            "test-summary: failed lint: ansible-lint --profile production did not pass; it ended with:",
+                            "test-summary: failed   | WARNING  Listing 1 violation(s) that are fatal",
+                            "test-summary: failed   | yaml[truthy]: Truthy value should be one of [false, true]",
+                            "test-summary: failed   | playbooks/moe_bench.yml:12",
+                            "test-summary: failed   | Failed: 1 failure(s), 0 warning(s) on 239 files."], out
 
 
 def test_an_error_of_a_case_is_named_as_an_error(tree):
