@@ -111,12 +111,49 @@ def test_a_failed_scenario_is_named_with_its_last_failed_task_not_an_ignored_one
         "TASK [Put the unit back whatever happened] ***\n"
         "fatal: [moe-bench-molecule-beta]: FAILED! => {\"msg\": \"already stopped\"}\n"
         "...ignoring\n"
-        "PLAY RECAP ***\n")
+        "PLAY RECAP ***\n"
+        "ERROR    Ansible return code was 2, command was: ansible-playbook converge.yml\n"
+        "INFO     [default > destroy] Executing\n")
     rc, out = summary(tree)
     assert rc == 1, out
-    assert out.splitlines()[-2] == ("test-summary: failed molecule: FAILED beta (4 s): fatal: [moe-bench-molecule-beta]: "
+    assert out.splitlines()[-2] == ("test-summary: failed molecule: FAILED beta (4 s): TASK [Check the outcome] "
+                                    "fatal: [moe-bench-molecule-beta]: "
                                     "FAILED! => {\"assertion\": \"unit_active\", \"msg\": \"the unit is down\"} "
                                     "(whole log molecule-beta.log)"), out
+
+
+def test_a_scenario_is_read_in_the_action_molecule_marks_failed(tree):
+    """Converge's rescued failures are not what broke an idempotence check after it."""
+    cache = tree[1]
+    (cache / "molecule-recap.txt").write_text("ok      alpha (3 s)\nFAILED  beta (4 s)\nok      playbook (9 s)\n")
+    (cache / "molecule-beta.log").write_text(
+        "INFO     [beta > converge] Executing\n"
+        "TASK [Refuse a busy GPU (case)] ***\n"
+        "fatal: [moe-bench-molecule-beta]: FAILED! => {\"msg\": \"GPU 0 is busy\"}\n"
+        "TASK [Note the refusal] ***\n"
+        "INFO     [beta > converge] Executed: Successful\n"
+        "INFO     [beta > idempotence] Executing\n"
+        "ERROR    Idempotence test failed because of the following tasks:\n"
+        "INFO     [beta > idempotence] Executed: Failed\n"
+        "INFO     [beta > destroy] Executing\n"
+        "fatal: [localhost]: FAILED! => {\"msg\": \"network gone\"}\n"
+        "...ignoring\n"
+        "INFO     [beta > destroy] Executed: Successful\n")
+    rc, out = summary(tree)
+    assert rc == 1, out
+    assert out.splitlines()[-2] == ("test-summary: failed molecule: FAILED beta (4 s): ERROR Idempotence test failed "
+                                    "because of the following tasks: (whole log molecule-beta.log)"), out
+
+
+def test_a_scenario_that_failed_before_any_task_is_named_with_molecules_error(tree):
+    cache = tree[1]
+    (cache / "molecule-recap.txt").write_text("ok      alpha (3 s)\nFAILED  beta (4 s)\nok      playbook (9 s)\n")
+    (cache / "molecule-beta.log").write_text("INFO     [default > create] Executing\n"
+                                             "ERROR    Failed to pre-validate: the driver docker is not available\n")
+    rc, out = summary(tree)
+    assert rc == 1, out
+    assert out.splitlines()[-2] == ("test-summary: failed molecule: FAILED beta (4 s): ERROR Failed to pre-validate: "
+                                    "the driver docker is not available (whole log molecule-beta.log)"), out
 
 
 def test_each_failed_case_is_named_with_its_message_just_above_the_closing_line(tree):
