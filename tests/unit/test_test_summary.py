@@ -161,19 +161,59 @@ def test_each_failed_case_is_named_with_its_message_just_above_the_closing_line(
     cache = tree[1]
     junit(cache / "junit-payload.xml", [("test_a", "pass"), ("test_floor_compiles", "fail")])
     (cache / "lint.txt").write_text("fail\n")
-    (cache / "lint.log").write_text("WARNING  Listing 1 violation(s) that are fatal\n\n"
-                                    "yaml[truthy]: Truthy value should be one of [false, true]\n"
-                                    "playbooks/moe_bench.yml:12\n\n"
-                                    "\x1b[31mFailed\x1b[0m: 1 failure(s), 0 warning(s) on 239 files.\n")
+    link = "\x1b]8;;https://docs.ansible.com/projects/lint/rules/\x1b\\%s\x1b]8;;\x1b\\"
+    (cache / "lint.log").write_text(  # the shape of ansible-lint's own output, escapes included
+        "WARNING  Skipped installing collection dependencies due to running in offline mode.\n"
+        "WARNING  Listing 2 violation(s) that are fatal\n"
+        "\x1b[31m\x1b[34m\x1b]8;;https://docs.ansible.com/projects/lint/rules/name/\x1b\\name[missing]\x1b]8;;\x1b\\"
+        "\x1b[0m\x1b[2m:\x1b[0m \x1b[31mAll tasks should be named.\x1b[0m\n"
+        "\x1b[35mplaybooks/zz_bad.yml\x1b[0m:5 \x1b[2mTask/Handler: shell echo hi\x1b[0m\n\n"
+        "no-changed-when: Commands should not change things if nothing needs doing.\n"
+        "playbooks/zz_bad.yml:5 Task/Handler: shell echo hi\n\n"
+        "Read documentation for instructions on how to ignore specific rule violations.\n\n"
+        "# Rule Violation Summary\n\n"
+        "  1 " + link % "name" + " profile:basic tags:idiom\n"
+        "  1 " + link % "no-changed-when" + " profile:basic tags:command-shell,idempotency\n\n"
+        "\x1b[31mFailed\x1b[0m: 2 failure(s), 0 warning(s) in 240 files processed of 1046 encountered.\n")
     rc, out = summary(tree)
     lines = out.splitlines()
     assert rc == 1 and lines[-1] == "8 passed, 2 failed, 0 skipped", out
-    assert lines[-7:-1] == ["test-summary: failed payload: tests.x::test_floor_compiles (boom)",
+    assert lines[-8:-1] == ["test-summary: failed payload: tests.x::test_floor_compiles (boom)",
                             "test-summary: failed lint: ansible-lint --profile production did not pass; it ended with:",
-                            "test-summary: failed   | WARNING  Listing 1 violation(s) that are fatal",
-                            "test-summary: failed   | yaml[truthy]: Truthy value should be one of [false, true]",
-                            "test-summary: failed   | playbooks/moe_bench.yml:12",
-                            "test-summary: failed   | Failed: 1 failure(s), 0 warning(s) on 239 files."], out
+                            "test-summary: failed   | name[missing]: All tasks should be named.",
+                            "test-summary: failed   | playbooks/zz_bad.yml:5 Task/Handler: shell echo hi",
+                            "test-summary: failed   | no-changed-when: Commands should not change things if nothing needs doing.",
+                            "test-summary: failed   | playbooks/zz_bad.yml:5 Task/Handler: shell echo hi",
+                            "test-summary: failed   | Failed: 2 failure(s), 0 warning(s) in 240 files processed of "
+                            "1046 encountered."], out
+
+
+def test_a_long_lint_listing_is_cut_and_says_how_much_more_there_is(tree):
+    cache = tree[1]
+    (cache / "lint.txt").write_text("fail\n")
+    (cache / "lint.log").write_text("WARNING  Listing 6 violation(s) that are fatal\n"
+                                    + "".join("name[missing]: All tasks should be named.\nroles/r/tasks/main.yml:%d\n" % n
+                                              for n in range(6))
+                                    + "Failed: 6 failure(s), 0 warning(s) in 240 files processed.\n")
+    rc, out = summary(tree)
+    lines = out.splitlines()
+    assert rc == 1 and lines[-3:-1] == ["test-summary: failed   | (4 more lines of violations in .cache/lint.log)",
+                                        "test-summary: failed   | Failed: 6 failure(s), 0 warning(s) in 240 files "
+                                        "processed."], out
+    assert lines[-4] == "test-summary: failed   | roles/r/tasks/main.yml:3", out
+
+
+def test_a_lint_that_listed_no_violation_is_quoted_by_its_last_lines(tree):
+    cache = tree[1]
+    (cache / "lint.txt").write_text("fail\n")
+    (cache / "lint.log").write_text("".join("line %d\n" % n for n in range(1, 10)) +
+                                    "CRITICAL Couldn't parse task at playbooks/moe_bench.yml:12\n")
+    rc, out = summary(tree)
+    lines = out.splitlines()
+    assert rc == 1 and lines[-8:-1] == (
+        ["test-summary: failed lint: ansible-lint --profile production did not pass; it ended with:"]
+        + ["test-summary: failed   | line %d" % n for n in range(5, 10)]
+        + ["test-summary: failed   | CRITICAL Couldn't parse task at playbooks/moe_bench.yml:12"]), out
 
 
 def test_an_error_of_a_case_is_named_as_an_error(tree):
