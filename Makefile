@@ -64,7 +64,7 @@ controller-user:
 
 lint: venv
 	mkdir -p .cache
-	$(VENV)/bin/ansible-lint --profile production 2>&1 | tee .cache/lint.log && echo pass > .cache/lint.txt || { echo fail > .cache/lint.txt; exit 1; }
+	$(VENV)/bin/ansible-lint --profile production --nocolor 2>&1 | tee .cache/lint.log && echo pass > .cache/lint.txt || { echo fail > .cache/lint.txt; exit 1; }
 
 unit: venv
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) tests/unit --junitxml=.cache/junit-unit.xml

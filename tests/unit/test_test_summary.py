@@ -91,17 +91,24 @@ def test_a_molecule_scenario_of_the_tree_missing_from_the_recap_fails(tree):
     assert rc == 1 and "lacks scenario(s) of the tree: gamma" in out, out
 
 
-def test_a_failed_scenario_counts_as_failed(tree):
-    (tree[1] / "molecule-recap.txt").write_text("ok      alpha (3 s)\nFAILED  beta (4 s)\nok      playbook (9 s)\n")
+def beta_fails(tree, log=None):
+    """Scenario beta failed (its log, if given, in .cache/molecule-beta.log): the summary's line
+    above its closing count, which must say 1 failed."""
+    cache = tree[1]
+    (cache / "molecule-recap.txt").write_text("ok      alpha (3 s)\nFAILED  beta (4 s)\nok      playbook (9 s)\n")
+    if log is not None:
+        (cache / "molecule-beta.log").write_text(log)
     rc, out = summary(tree)
     assert rc == 1 and out.splitlines()[-1] == "9 passed, 1 failed, 0 skipped", out
-    assert out.splitlines()[-2] == "test-summary: failed molecule: FAILED beta (4 s) (whole log molecule-beta.log)", out
+    return out.splitlines()[-2]
+
+
+def test_a_failed_scenario_counts_as_failed(tree):
+    assert beta_fails(tree) == "test-summary: failed molecule: FAILED beta (4 s) (whole log molecule-beta.log)"
 
 
 def test_a_failed_scenario_is_named_with_its_last_failed_task_not_an_ignored_one(tree):
-    cache = tree[1]
-    (cache / "molecule-recap.txt").write_text("ok      alpha (3 s)\nFAILED  beta (4 s)\nok      playbook (9 s)\n")
-    (cache / "molecule-beta.log").write_text(
+    line = beta_fails(tree,
         "TASK [Probe a unit that is not there] ***\n"
         "fatal: [moe-bench-molecule-beta]: FAILED! => {\"msg\": \"expected\"}\n"
         "...ignoring\n"
@@ -114,19 +121,15 @@ def test_a_failed_scenario_is_named_with_its_last_failed_task_not_an_ignored_one
         "PLAY RECAP ***\n"
         "ERROR    Ansible return code was 2, command was: ansible-playbook converge.yml\n"
         "INFO     [default > destroy] Executing\n")
-    rc, out = summary(tree)
-    assert rc == 1, out
-    assert out.splitlines()[-2] == ("test-summary: failed molecule: FAILED beta (4 s): TASK [Check the outcome] "
-                                    "fatal: [moe-bench-molecule-beta]: "
-                                    "FAILED! => {\"assertion\": \"unit_active\", \"msg\": \"the unit is down\"} "
-                                    "(whole log molecule-beta.log)"), out
+    assert line == ("test-summary: failed molecule: FAILED beta (4 s): TASK [Check the outcome] "
+                    "fatal: [moe-bench-molecule-beta]: "
+                    "FAILED! => {\"assertion\": \"unit_active\", \"msg\": \"the unit is down\"} "
+                    "(whole log molecule-beta.log)")
 
 
 def test_a_scenario_is_read_in_the_action_molecule_marks_failed(tree):
     """Converge's rescued failures are not what broke an idempotence check after it."""
-    cache = tree[1]
-    (cache / "molecule-recap.txt").write_text("ok      alpha (3 s)\nFAILED  beta (4 s)\nok      playbook (9 s)\n")
-    (cache / "molecule-beta.log").write_text(
+    line = beta_fails(tree,
         "INFO     [beta > converge] Executing\n"
         "TASK [Refuse a busy GPU (case)] ***\n"
         "fatal: [moe-bench-molecule-beta]: FAILED! => {\"msg\": \"GPU 0 is busy\"}\n"
@@ -139,21 +142,15 @@ def test_a_scenario_is_read_in_the_action_molecule_marks_failed(tree):
         "fatal: [localhost]: FAILED! => {\"msg\": \"network gone\"}\n"
         "...ignoring\n"
         "INFO     [beta > destroy] Executed: Successful\n")
-    rc, out = summary(tree)
-    assert rc == 1, out
-    assert out.splitlines()[-2] == ("test-summary: failed molecule: FAILED beta (4 s): ERROR Idempotence test failed "
-                                    "because of the following tasks: (whole log molecule-beta.log)"), out
+    assert line == ("test-summary: failed molecule: FAILED beta (4 s): ERROR Idempotence test failed "
+                    "because of the following tasks: (whole log molecule-beta.log)")
 
 
 def test_a_scenario_that_failed_before_any_task_is_named_with_molecules_error(tree):
-    cache = tree[1]
-    (cache / "molecule-recap.txt").write_text("ok      alpha (3 s)\nFAILED  beta (4 s)\nok      playbook (9 s)\n")
-    (cache / "molecule-beta.log").write_text("INFO     [default > create] Executing\n"
-                                             "ERROR    Failed to pre-validate: the driver docker is not available\n")
-    rc, out = summary(tree)
-    assert rc == 1, out
-    assert out.splitlines()[-2] == ("test-summary: failed molecule: FAILED beta (4 s): ERROR Failed to pre-validate: "
-                                    "the driver docker is not available (whole log molecule-beta.log)"), out
+    line = beta_fails(tree, "INFO     [default > create] Executing\n"
+                            "ERROR    Failed to pre-validate: the driver docker is not available\n")
+    assert line == ("test-summary: failed molecule: FAILED beta (4 s): ERROR Failed to pre-validate: "
+                    "the driver docker is not available (whole log molecule-beta.log)")
 
 
 def test_each_failed_case_is_named_with_its_message_just_above_the_closing_line(tree):
@@ -161,20 +158,18 @@ def test_each_failed_case_is_named_with_its_message_just_above_the_closing_line(
     cache = tree[1]
     junit(cache / "junit-payload.xml", [("test_a", "pass"), ("test_floor_compiles", "fail")])
     (cache / "lint.txt").write_text("fail\n")
-    link = "\x1b]8;;https://docs.ansible.com/projects/lint/rules/\x1b\\%s\x1b]8;;\x1b\\"
-    (cache / "lint.log").write_text(  # the shape of ansible-lint's own output, escapes included
+    (cache / "lint.log").write_text(  # the shape of `ansible-lint --profile production --nocolor`'s output
         "WARNING  Skipped installing collection dependencies due to running in offline mode.\n"
         "WARNING  Listing 2 violation(s) that are fatal\n"
-        "\x1b[31m\x1b[34m\x1b]8;;https://docs.ansible.com/projects/lint/rules/name/\x1b\\name[missing]\x1b]8;;\x1b\\"
-        "\x1b[0m\x1b[2m:\x1b[0m \x1b[31mAll tasks should be named.\x1b[0m\n"
-        "\x1b[35mplaybooks/zz_bad.yml\x1b[0m:5 \x1b[2mTask/Handler: shell echo hi\x1b[0m\n\n"
+        "name[missing]: All tasks should be named.\n"
+        "playbooks/zz_bad.yml:5 Task/Handler: shell echo hi\n\n"
         "no-changed-when: Commands should not change things if nothing needs doing.\n"
         "playbooks/zz_bad.yml:5 Task/Handler: shell echo hi\n\n"
         "Read documentation for instructions on how to ignore specific rule violations.\n\n"
         "# Rule Violation Summary\n\n"
-        "  1 " + link % "name" + " profile:basic tags:idiom\n"
-        "  1 " + link % "no-changed-when" + " profile:basic tags:command-shell,idempotency\n\n"
-        "\x1b[31mFailed\x1b[0m: 2 failure(s), 0 warning(s) in 240 files processed of 1046 encountered.\n")
+        "  1 name profile:basic tags:idiom\n"
+        "  1 no-changed-when profile:basic tags:command-shell,idempotency\n\n"
+        "Failed: 2 failure(s), 0 warning(s) in 240 files processed of 1046 encountered.\n")
     rc, out = summary(tree)
     lines = out.splitlines()
     assert rc == 1 and lines[-1] == "8 passed, 2 failed, 0 skipped", out
@@ -259,3 +254,13 @@ def test_the_scenarios_of_this_repository_come_from_its_tree():
     listed = subprocess.run(["bash", "-c", "source <(sed -n '/^RUN_ORDER=/,/^\\[ -f molecule/p' tests/run-molecule); "
                              "printf '%s\\n' \"${ALL[@]}\""], cwd=REPO, capture_output=True, text=True).stdout.split()
     assert sorted(listed) == sorted(names), (listed, names)
+
+
+def test_make_lint_keeps_a_plain_log_for_the_summary_to_quote():
+    """lint_failures reads .cache/lint.log as plain text: `make lint` must ask ansible-lint for
+    no colour (it colours and links its rule names even into a pipe)."""
+    dry = subprocess.run(["make", "-n", "--no-print-directory", "lint"], cwd=REPO, capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr
+    recipe = [line for line in dry.stdout.splitlines() if "ansible-lint" in line and ".cache/lint.log" in line]
+    assert len(recipe) == 1, dry.stdout
+    assert "--nocolor" in recipe[0].split("|")[0], recipe[0]
