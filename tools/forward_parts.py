@@ -10,6 +10,7 @@ backend runs it, the same with its MMAs serialised ("serial", TritonW4A16MoE._la
 any given with --row:
 
     PYTHONPATH=files python3 tools/forward_parts.py --m 2048
+    PYTHONPATH=files python3 tools/forward_parts.py --preset kimi-k2.6 --tp 8 --m 2048
     PYTHONPATH=files python3 tools/forward_parts.py --m 2048 --row '{"block_m": 64, "g1": {...}, "g2": {...}}'
 """
 
@@ -25,7 +26,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import kernel_sweep as ks  # noqa: E402  (tools/ beside this file)
-from moe_bench import quant, timing  # noqa: E402
+from moe_bench import presets, quant, timing  # noqa: E402
 from moe_bench import triton_moe as tm  # noqa: E402
 
 ROUTINGS = 8  # as the harness rotates on a CUDA device
@@ -76,6 +77,8 @@ def measure_row(insts, sets, cfg: dict, reps: int, serialised: bool = False) -> 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="kimi-k2.6", choices=sorted(presets.PRESETS))
+    parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--m", type=int, default=2048)
     parser.add_argument("--row", action="append", default=[],
                         help="a table row as JSON (block_m, g1, g2) to compare with the shipped one; repeatable")
@@ -84,12 +87,13 @@ def main() -> int:
     parser.add_argument("--out", default="", help="write the measurements as JSON here")
     args = parser.parse_args()
     device = torch.device("cuda:0")
-    shape = ks.KIMI
+    shape = presets.PRESETS[args.preset].shape(args.tp)
     weights = quant.random_weights(shape, device, seed=0)
     gen = torch.Generator(device=device)
     gen.manual_seed(7)
     insts = [tm.TritonW4A16MoE(weights, args.m) for _ in range(ROUTINGS)]
     sets = [ks.routing(args.m, shape, gen, device) for _ in range(ROUTINGS)]
+    shipped_table = insts[0].table
     table_row = tm._config_for(shape, args.m)
     rows = [("table", table_row, False)]
     if any(table_row[which].get("swap") for which in ("g1", "g2")):
@@ -99,7 +103,8 @@ def main() -> int:
         row["g1"] = tm._fit(row["g1"], shape.hidden, shape.inter, shape.group_size)
         row["g2"] = tm._fit(row["g2"], shape.inter, shape.hidden, shape.group_size)
         rows.append((f"row{i + 1}", row, False))
-    print(f"M={args.m}, {ROUTINGS} routings, GPU before: {gpu_state()}", flush=True)
+    print(f"{args.preset} --tp {args.tp} {shape} M={args.m}, {ROUTINGS} routings, GPU before: {gpu_state()}",
+          flush=True)
     report = []
     for rnd in range(args.rounds):
         for name, cfg, serialised in rows:
@@ -110,7 +115,7 @@ def main() -> int:
                   f"{res['gpu_after']}", flush=True)
     # The harness's own timing of the shipped row (moe_bench.timing.time_cuda).
     for inst in insts:
-        inst.table = tm.TILE_TABLE
+        inst.table = shipped_table
         inst._overlap.clear()
 
     def call(r):
@@ -127,7 +132,7 @@ def main() -> int:
           f"{gpu_state()}", flush=True)
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump(dict(m=args.m, rows=report, harness_us=harness.us, cool_start_us=cool), fh, indent=1,
+            json.dump(dict(preset=args.preset, tp=args.tp, m=args.m, rows=report, harness_us=harness.us, cool_start_us=cool), fh, indent=1,
                       default=str)
     return 0
 
