@@ -25,8 +25,9 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-import kernel_sweep as ks  # noqa: E402  (tools/ beside this file)
-from moe_bench import presets, quant, timing  # noqa: E402
+import graph_timing as gt  # noqa: E402  (tools/ beside this file)
+import kernel_sweep as ks  # noqa: E402
+from moe_bench import quant, timing  # noqa: E402
 from moe_bench import triton_moe as tm  # noqa: E402
 
 ROUTINGS = 8  # as the harness rotates on a CUDA device
@@ -77,8 +78,7 @@ def measure_row(insts, sets, cfg: dict, reps: int, serialised: bool = False) -> 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="kimi-k2.6", choices=sorted(presets.PRESETS))
-    parser.add_argument("--tp", type=int, default=1)
+    gt.shape_arguments(parser)
     parser.add_argument("--m", type=int, default=2048)
     parser.add_argument("--row", action="append", default=[],
                         help="a table row as JSON (block_m, g1, g2) to compare with the shipped one; repeatable")
@@ -87,14 +87,14 @@ def main() -> int:
     parser.add_argument("--out", default="", help="write the measurements as JSON here")
     args = parser.parse_args()
     device = torch.device("cuda:0")
-    shape = presets.PRESETS[args.preset].shape(args.tp)
+    shape = gt.shape_of(args)
     weights = quant.random_weights(shape, device, seed=0)
     gen = torch.Generator(device=device)
     gen.manual_seed(7)
     insts = [tm.TritonW4A16MoE(weights, args.m) for _ in range(ROUTINGS)]
     sets = [ks.routing(args.m, shape, gen, device) for _ in range(ROUTINGS)]
     shipped_table = insts[0].table
-    table_row = tm._config_for(shape, args.m)
+    table_row = insts[0]._config(args.m)  # the row the backend runs: fitted to this device
     rows = [("table", table_row, False)]
     if any(table_row[which].get("swap") for which in ("g1", "g2")):
         rows.append(("serial", table_row, True))
@@ -132,8 +132,8 @@ def main() -> int:
           f"{gpu_state()}", flush=True)
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump(dict(preset=args.preset, tp=args.tp, m=args.m, rows=report, harness_us=harness.us, cool_start_us=cool), fh, indent=1,
-                      default=str)
+            json.dump(dict(preset=args.preset, tp=args.tp, m=args.m, rows=report, harness_us=harness.us,
+                           cool_start_us=cool), fh, indent=1, default=str)
     return 0
 
 

@@ -194,10 +194,19 @@ def _path_of(config: dict) -> str:
     return f"tensor-core bm{config['block_m']} {form}{fallback}"
 
 
-def common_arguments(parser, m_list: str, budget_s: float) -> None:
-    """The options every timing tool here shares (this one, path_compare, row_compare)."""
+def shape_arguments(parser) -> None:
+    """The layer a tool here times: a preset's shape, sharded --tp ways (shape_of)."""
     parser.add_argument("--preset", default="kimi-k2.6", choices=sorted(presets.PRESETS))
     parser.add_argument("--tp", type=int, default=1)
+
+
+def shape_of(args) -> quant.MoEShape:
+    return presets.PRESETS[args.preset].shape(args.tp)
+
+
+def common_arguments(parser, m_list: str, budget_s: float) -> None:
+    """The options every timing tool here shares (this one, path_compare, row_compare)."""
+    shape_arguments(parser)
     parser.add_argument("--m-list", default=m_list)
     parser.add_argument("--budget-s", type=float, default=budget_s, help="stop replaying an M after this (at least 5)")
 
@@ -241,7 +250,7 @@ def main(argv=None) -> int:
 
     m_list = sorted({int(v) for v in args.m_list.split(",")})
     device = torch.device(args.device)
-    shape = presets.PRESETS[args.preset].shape(args.tp)
+    shape = shape_of(args)
     harness_rows, harness_ceilings = {}, None
     if args.harness:
         harness_out = args.harness_out or "/tmp/graph_timing_harness.json"

@@ -26,7 +26,7 @@ import time
 import torch
 import triton
 
-from moe_bench import cli, gluon_moe, perfmodel, presets, quant
+from moe_bench import cli, gluon_moe, perfmodel, quant
 from moe_bench import triton_moe as tm
 
 import graph_timing as gt
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     os.environ["MOE_BENCH_GLUON"] = "force"  # the Gluon path wherever it can run
     device = torch.device("cuda:0")
     m_list = sorted({int(v) for v in args.m_list.split(",")})
-    shape = presets.PRESETS[args.preset].shape(args.tp)
+    shape = gt.shape_of(args)
     shipped_rows = list(gluon_moe.GLUON_TILE_ROWS)
     tile_sets = json.loads(args.tiles) if args.tiles else None
     if isinstance(tile_sets, dict):

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from moe_bench import cli, perfmodel, presets, quant
+from moe_bench import cli, perfmodel, quant
 from moe_bench import triton_moe as tm
 
 import graph_timing as gt
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = torch.device("cuda:0")
     m_list = sorted({int(v) for v in args.m_list.split(",")})
-    shape = presets.PRESETS[args.preset].shape(args.tp)
+    shape = gt.shape_of(args)
     weights = quant.random_weights(shape, device, seed=0)
     rows = {"shipped": tm.TritonW4A16MoE(weights, max(m_list), gluon=False)}
     for text in args.row:

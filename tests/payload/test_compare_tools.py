@@ -47,3 +47,26 @@ def test_path_compare_row_compare_and_the_interleave_time_in_round_order():
         assert loops, tool
         for loop in loops:
             assert ast.unparse(loop.iter).split("(")[0] in ("gt.round_order", "round_order"), (tool, ast.unparse(loop.iter))
+
+
+def test_every_timing_tool_times_the_preset_sharded_as_asked():
+    """--preset and --tp (graph_timing.shape_arguments) give the layer every tool here times,
+    through graph_timing.shape_of: the preset's shape with its intermediate split --tp ways."""
+    import argparse
+
+    import pytest
+    from moe_bench import presets
+
+    parser = argparse.ArgumentParser()
+    gt.shape_arguments(parser)
+    assert gt.shape_of(parser.parse_args([])) == presets.PRESETS["kimi-k2.6"].shape(1)
+    shard = gt.shape_of(parser.parse_args(["--preset", "kimi-k2.6", "--tp", "8"]))
+    assert (shard.experts, shard.hidden, shard.inter, shard.topk) == (384, 7168, 256, 8)
+    assert gt.shape_of(parser.parse_args(["--preset", "mixtral-8x7b", "--tp", "8"])).inter == 14336 // 8
+    with pytest.raises(ValueError, match="--tp 3"):
+        gt.shape_of(parser.parse_args(["--tp", "3"]))
+    for tool in ("graph_timing.py", "path_compare.py", "row_compare.py", "forward_parts.py"):
+        source = (REPO_ROOT / "tools" / tool).read_text()
+        calls = {ast.unparse(node.func) for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)}
+        assert calls & {"shape_of", "gt.shape_of"}, tool
+        assert source.count("PRESETS[args.preset]") == (tool == "graph_timing.py"), tool  # shape_of's own
