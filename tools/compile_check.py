@@ -122,6 +122,20 @@ def compile_gemv(which: int, g: dict, group: int = 32, *, target=None, topk: int
     return triton.compile(src, target=target or TARGET, options=dict(num_warps=g["warps"], num_stages=g.get("stages", 1)))
 
 
+SIGNATURE_ALIGN = dict(topk_ids_ptr="*i32", num_slots="i32", num_experts="i32", counts_ptr="*i32",
+                       starts_ptr="*i32", ends_ptr="*i32", cursor_ptr="*i32", part_ptr="*i32", ticket_ptr="*i32")
+
+
+def compile_align(one_program: bool, num_bins: int = 512, block_m: int = 64, *, target=None):
+    """The grouping's count (_align_kernel) as TritonW4A16MoE._group_slots launches it: one
+    program for up to ALIGN_CHUNK slots, else a program per chunk and the ticket."""
+    constants = dict(BLOCK_M=block_m, NUM_BINS=num_bins, CHUNK=tm.ALIGN_CHUNK, ONE_PROGRAM=one_program,
+                     PDL=_pdl(target))
+    signature = dict(SIGNATURE_ALIGN, **{name: "constexpr" for name in constants})
+    src = ASTSource(fn=tm._align_kernel, signature=signature, constexprs=constants, attrs=_attrs(signature))
+    return triton.compile(src, target=target or TARGET, options=dict(num_warps=8))
+
+
 SIGNATURE_MMA8 = {
     "x_ptr": "*i64", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "topk_weights_ptr": "*fp32",
     "sorted_slot_ptr": "*i32", "counts_ptr": "*i32", "starts_ptr": "*i32", "ends_ptr": "*i32", "num_experts": "i32",

@@ -226,12 +226,14 @@ class ResultsWriter:
         return csv_path_for(self.path) if self.path is not None else None
 
     def write(self) -> None:
+        # The CSVs first, the JSON (the document of record) last: a process killed between two
+        # writes leaves CSV rows for every M the JSON calls completed, never fewer.
         if self.path is None:
             return
-        atomic_write_text(self.path, json.dumps(self.document, indent=2, sort_keys=False) + "\n")
         atomic_write_text(self.csv_path, results_csv_text(self.document["results"]))
         if self.document["tp"] is not None:
             atomic_write_text(phases_csv_path_for(self.path), results_csv_text(self.document["tp_results"], TP_RESULT_FIELDS))
+        atomic_write_text(self.path, json.dumps(self.document, indent=2, sort_keys=False) + "\n")
 
     def set_environment(self, environment: dict) -> None:
         self.document["environment"] = {field: environment.get(field) for field in ENVIRONMENT_FIELDS}

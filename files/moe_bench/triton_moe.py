@@ -27,9 +27,9 @@ mma.sync, and under Triton's interpreter, the block_m 16 row runs in their place
 
 More tokens: tensor-core kernels, five launches (six when GEMM1 is split along K):
 
-  1. _align_kernel (one program): count the (token, k) slots per expert, pad each expert's
-     count to a multiple of BLOCK_M, and store each expert's count and start and end of its
-     range of sorted rows.
+  1. _align_kernel (a program per 1024 slots, the last to finish adding up the others'
+     counts): count the (token, k) slots per expert, pad each expert's count to a multiple of
+     BLOCK_M, and store each expert's count and start and end of its range of sorted rows.
   2. _scatter_kernel: place every slot at its expert's next free sorted position (atomic
      cursors: the order inside an expert is free, every row is computed independently, so the
      result does not depend on it).
@@ -126,6 +126,12 @@ def _pdl_enter(PDL: tl.constexpr):
         _gdc_launch_dependents()
 
 
+# Slots counted by one program of the grouping (_align_kernel): at kimi-k2.6 --tp 8 M=2048
+# (16384 slots) one program counting them all took 43 us of a 940 us forward (PERFORMANCE.md
+# round 36b); a program per chunk counts them side by side.
+ALIGN_CHUNK = 1024
+
+
 @triton.jit
 def _align_kernel(
     topk_ids_ptr,
@@ -135,30 +141,55 @@ def _align_kernel(
     starts_ptr,
     ends_ptr,
     cursor_ptr,
+    part_ptr,
+    ticket_ptr,
     BLOCK_M: tl.constexpr,
     NUM_BINS: tl.constexpr,
     CHUNK: tl.constexpr,
+    ONE_PROGRAM: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    """Per expert: slot count, and start/end of its range of sorted rows padded to BLOCK_M."""
+    """Per expert: slot count, and start/end of its range of sorted rows padded to BLOCK_M.
+    Each program counts one CHUNK of slots; with several programs each stores its counts as
+    a row of part_ptr and takes a ticket, and the program that takes the last ticket adds the
+    rows, stores the ranges and sets the ticket back to 0 for the next launch."""
     _pdl_enter(PDL)
     bins = tl.arange(0, NUM_BINS)
-    counts = tl.zeros([NUM_BINS], dtype=tl.int32)
-    for start in range(0, num_slots, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        # Out-of-range lanes go to the last bin, which is never an expert (NUM_BINS > E).
-        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_slots, other=NUM_BINS - 1)
-        counts += tl.histogram(ids, NUM_BINS)
-    counts = tl.where(bins < num_experts, counts, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    starts = ends - padded
-    is_expert = bins < num_experts
-    tl.store(counts_ptr + bins, counts, mask=is_expert)
-    tl.store(starts_ptr + bins, starts, mask=is_expert)
-    tl.store(cursor_ptr + bins, starts, mask=is_expert)
-    # Past the last expert the end is "never": blocks beyond the used rows find no owner.
-    tl.store(ends_ptr + bins, tl.where(is_expert, ends, 0x7FFFFFFF))
+    pid = tl.program_id(0)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    # Out-of-range lanes go to the last bin, which is never an expert (NUM_BINS > E).
+    ids = tl.load(topk_ids_ptr + offs, mask=offs < num_slots, other=NUM_BINS - 1)
+    counts = tl.histogram(ids, NUM_BINS)
+    last = True
+    if not ONE_PROGRAM:
+        programs = tl.num_programs(0)
+        tl.store(part_ptr + pid * NUM_BINS + bins, counts)
+        # Every thread's row stored before the ticket (the barrier), the ticket released to
+        # and acquired from the GPU scope, the rows read from L2 (.cg): the last program sees
+        # every other program's row.
+        tl.debug_barrier()
+        taken = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+        last = taken == programs - 1
+        if last:
+            counts = tl.zeros([NUM_BINS], dtype=tl.int32)
+            for first in range(0, programs, 16):  # 16 rows of counts a load
+                rows = first + tl.arange(0, 16)
+                ok = rows[:, None] < programs
+                part = tl.load(part_ptr + rows[:, None] * NUM_BINS + bins[None, :], mask=ok, other=0,
+                               cache_modifier=".cg")
+                counts += tl.sum(part, axis=0)
+            tl.store(ticket_ptr, 0)
+    if last:
+        counts = tl.where(bins < num_experts, counts, 0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, 0)
+        starts = ends - padded
+        is_expert = bins < num_experts
+        tl.store(counts_ptr + bins, counts, mask=is_expert)
+        tl.store(starts_ptr + bins, starts, mask=is_expert)
+        tl.store(cursor_ptr + bins, starts, mask=is_expert)
+        # Past the last expert the end is "never": blocks beyond the used rows find no owner.
+        tl.store(ends_ptr + bins, tl.where(is_expert, ends, 0x7FFFFFFF))
 
 
 @triton.jit
@@ -1698,6 +1729,7 @@ def workspace_bytes(shape: quant.MoEShape, m: int, dtype_bytes: int = 2) -> int:
     padded = _padded_rows(shape, m, block_m)
     return (
         4 * (padded + 4 * shape.experts + 1024)  # sorted slots, per-expert counts/starts/ends/cursors
+        + 4 * (triton.cdiv(m * shape.topk, ALIGN_CHUNK) * num_bins(shape) + 1)  # the grouping's counts, ticket
         + padded * shape.inter * dtype_bytes  # SiLU(gate) * up per sorted row
         + m * shape.topk * shape.hidden * dtype_bytes  # weighted GEMM2 output per slot
         + 4 * sum(_max_split_elems(shape, m, table))  # float32 split-K partial sums (small M only)
@@ -1784,6 +1816,11 @@ class TritonW4A16MoE:
         self._starts = torch.empty(e, dtype=torch.int32, device=device)
         self._ends = torch.empty(self._num_bins, dtype=torch.int32, device=device)
         self._cursor = torch.empty(e, dtype=torch.int32, device=device)
+        # The grouping's per-program counts (a row of bins per ALIGN_CHUNK slots) and its
+        # ticket, which every launch leaves at 0 (_align_kernel).
+        self._align_parts = torch.empty(triton.cdiv(max_m * self.shape.topk, ALIGN_CHUNK) * self._num_bins,
+                                        dtype=torch.int32, device=device)
+        self._align_ticket = torch.zeros(1, dtype=torch.int32, device=device)
         self._device = device
         # float32 split-K partials for the table's rows; a tuning script that runs other
         # configurations grows them on first use (before capturing a graph).
@@ -2080,9 +2117,11 @@ class TritonW4A16MoE:
         slots = topk_ids.numel()
         if _padded_rows(shape, slots // shape.topk, block_m) > self._max_padded:
             raise ValueError(f"block_m={block_m} at M={slots // shape.topk} needs more workspace than was allocated")
-        _align_kernel[(1,)](
+        programs = triton.cdiv(slots, ALIGN_CHUNK)
+        _align_kernel[(programs,)](
             topk_ids, slots, shape.experts, self._counts, self._starts, self._ends, self._cursor,
-            BLOCK_M=block_m, NUM_BINS=self._num_bins, CHUNK=1024, PDL=self._pdl, num_warps=8, **self._pdl_kw,
+            self._align_parts, self._align_ticket, BLOCK_M=block_m, NUM_BINS=self._num_bins, CHUNK=ALIGN_CHUNK,
+            ONE_PROGRAM=programs == 1, PDL=self._pdl, num_warps=8, **self._pdl_kw,
         )
         _scatter_kernel[(triton.cdiv(slots, 1024),)](
             topk_ids, slots, self._cursor, self._sorted_slot, BLOCK=1024, PDL=self._pdl, num_warps=4, **self._pdl_kw,

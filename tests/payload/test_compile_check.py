@@ -151,6 +151,35 @@ def test_the_compiled_forms_wait_for_the_kernel_before_where_pdl_runs(arch, pdl)
     assert result.stdout.split("\n")[:3] == [expected] * 3, result.stdout
 
 
+@pytest.mark.parametrize("arch", [80, 90, 120])
+def test_the_grouping_count_hands_its_rows_to_the_last_program_in_order(arch):
+    """The grouping's count in several programs (_align_kernel) compiled for a GPU: every
+    thread's row stored before the ticket (a block barrier, then one gpu-scope acquire-release
+    atomic), the rows read back past L1 (ld.global.cg), the ticket set back to 0; the
+    one-program form takes no ticket. The interpreter runs programs one after another, so only
+    the compiled form shows this ordering."""
+    code = (
+        "import json, re, sys; sys.path[:0] = ['files', 'tools']\n"
+        "import compile_check as cc\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        f"t = GPUTarget('cuda', {arch}, 32)\n"
+        "out = []\n"
+        "for one in (False, True):\n"
+        "    ptx = cc.compile_align(one, target=t).asm['ptx']\n"
+        "    ticket = [i for i, l in enumerate(ptx.splitlines()) if re.search(r'atom\\.global\\S*\\.add', l)]\n"
+        "    lines = ptx.splitlines()\n"
+        "    out.append(dict(tickets=[lines[i].split()[1] if lines[i].split()[0].startswith('@') else lines[i].split()[0]\n"
+        "                             for i in ticket],\n"
+        "                    barrier_before=[any('bar.sync' in l for l in lines[max(0, i - 12): i]) for i in ticket],\n"
+        "                    cg='ld.global.cg' in ptx))\n"
+        "print(json.dumps(out))\n")
+    many, one = json.loads(run_code(code, timeout=300).stdout.strip().splitlines()[-1])
+    assert len(many["tickets"]) == 1, many
+    assert "acq_rel" in many["tickets"][0] and ".gpu" in many["tickets"][0], many
+    assert many["barrier_before"] == [True] and many["cg"], many
+    assert one["tickets"] == [] and not one["cg"], one
+
+
 def test_split_one_row_gemms_are_compiled_as_launched_with_16_byte_loads():
     """The --tp 8 shards' GEMM1 at M=1-2 runs in 2 K slices on an H100/H200 (fit_to_device): the
     check compiles it so (the split the launch takes at that K, named in the label), and the

@@ -75,6 +75,34 @@ def test_every_write_is_complete_on_disk_and_leaves_no_temporary_files(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.csv", "results.json"]
 
 
+def test_a_run_killed_between_two_writes_has_csv_rows_for_every_m_the_json_completed(tmp_path, monkeypatch):
+    """A kill (the async time limit's SIGKILL) can land between the CSV's write and the
+    JSON's: the JSON, the document of record, is written last, so the CSV never holds fewer
+    M than the JSON says completed (test_run's killed run saw that race once)."""
+    path = tmp_path / "results.json"
+    writer = schema.ResultsWriter(path, ENVIRONMENT, CONFIG)
+    writer.add_result(row(1))
+    writer.add_result(row(2))
+    written = []
+
+    def killed_after_first(target, text):
+        if written:
+            raise KeyboardInterrupt("killed")
+        written.append(target)
+        real(target, text)
+
+    real = schema.atomic_write_text
+    monkeypatch.setattr(schema, "atomic_write_text", killed_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        writer.add_result(row(4))
+    monkeypatch.undo()
+    completed = schema.load_results(path)["completed_m"]
+    with open(tmp_path / "results.csv", newline="") as fh:
+        csv_ms = [int(r["m"]) for r in csv.DictReader(fh)]
+    assert set(completed) <= set(csv_ms), (completed, csv_ms)
+    assert completed == [1, 2] and csv_ms == [1, 2, 4]
+
+
 def test_a_failed_run_records_the_error(tmp_path):
     path = tmp_path / "results.json"
     writer = schema.ResultsWriter(path, ENVIRONMENT, CONFIG)

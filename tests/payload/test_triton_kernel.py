@@ -159,6 +159,29 @@ def test_alignment_groups_every_slot_under_its_expert():
         assert sorted(rows.tolist()) == sorted((flat == e).nonzero().flatten().tolist())
 
 
+def test_alignment_counts_in_several_programs_and_leaves_the_ticket_at_zero():
+    """More slots than one program counts (ALIGN_CHUNK each): every program's counts reach the
+    ranges, twice in a row with different routings (the ticket is back at 0 after each)."""
+    shape = quant.MoEShape(experts=7, hidden=64, inter=64, topk=3, group_size=32)
+    weights = quant.random_weights(shape, "cpu", seed=0)
+    m = 3 * tm.ALIGN_CHUNK // shape.topk + 5  # four programs, the last one short
+    moe = tm.TritonW4A16MoE(weights, max_m=m, table=single_entry_table(16))
+    for seed, pool in ((3, 5), (4, 7)):
+        _, ids, _ = random_inputs(shape, m, torch.float32, seed=seed, experts=pool)
+        moe.align(ids.contiguous(), 16)
+        flat = ids.flatten()
+        counts = torch.bincount(flat.long(), minlength=shape.experts)
+        padded = (counts + 15) // 16 * 16
+        ends = torch.cumsum(padded, 0)
+        assert moe._counts.tolist() == counts.tolist()
+        assert moe._starts.tolist() == (ends - padded).tolist()
+        assert moe._ends[: shape.experts].tolist() == ends.tolist()
+        assert int(moe._align_ticket.item()) == 0
+        for e in range(shape.experts):
+            rows = moe._sorted_slot[ends[e] - padded[e]: ends[e] - padded[e] + counts[e]]
+            assert sorted(rows.tolist()) == sorted((flat == e).nonzero().flatten().tolist())
+
+
 def test_tile_configs_fit_the_shape_and_cover_every_m():
     shape = quant.MoEShape(experts=384, hidden=7168, inter=2048, topk=8, group_size=32)
     m_list = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
@@ -529,7 +552,7 @@ def test_block_m_8_rows_on_the_gpu(m, row):
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
                     reason="needs a CUDA GPU and compiled kernels (TRITON_INTERPRET=0)")
 @pytest.mark.parametrize("row,m", [("one-row", 3), ("one-row-sorted", 3), ("one-row-split", 3), ("mma8", 9),
-                                   ("bm16", 24)])
+                                   ("bm16", 24), ("bm16", 700)])
 def test_pdl_forwards_in_one_graph_equal_the_serial_ones(row, m):
     """With programmatic dependent launch each kernel may start before the one before it ends;
     a wait in the wrong place would read the previous forward's intermediate or routing. Eight
@@ -537,7 +560,8 @@ def test_pdl_forwards_in_one_graph_equal_the_serial_ones(row, m):
     bitwise the same forwards launched one by one without it. "one-row-split": both one-row
     GEMMs in K slices (GEMM1's added up by the last program of a tile to arrive, its count back
     at zero for the next forward): a count left over, or a partial read before it was stored,
-    would differ."""
+    would differ. "bm16" at M=700: 2800 slots, the grouping's counts in three programs (the
+    last to take the ticket adds them up, the ticket back at zero)."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90 or later")
     shape = quant.MoEShape(experts=16, hidden=1024, inter=1024, topk=4, group_size=32)
@@ -549,8 +573,9 @@ def test_pdl_forwards_in_one_graph_equal_the_serial_ones(row, m):
     rows = {"one-row": tm.ONE_ROW, "one-row-sorted": by_expert, "one-row-split": split, "mma8": tm.MMA8,
             "bm16": tm.TENSOR_BM16}
     table = [(1 << 62, rows[row])]
-    fast = tm.TritonW4A16MoE(weights, max_m=32, table=table)
-    serial = tm.TritonW4A16MoE(weights, max_m=32, table=table, pdl=False)
+    # (gluon=False: at M=700, 175 slots per expert, this layer would take the Gluon path.)
+    fast = tm.TritonW4A16MoE(weights, max_m=max(32, m), table=table, gluon=False)
+    serial = tm.TritonW4A16MoE(weights, max_m=max(32, m), table=table, pdl=False, gluon=False)
     assert fast.pdl_reason is None and fast.configs_used(m)["pdl"] is True
     assert serial.configs_used(m)["pdl"] is False
     inputs = []
@@ -575,3 +600,5 @@ def test_pdl_forwards_in_one_graph_equal_the_serial_ones(row, m):
     assert cli.relative_error(outs[0], reference_moe(weights, *inputs[0])) < 1e-2
     if row == "one-row-split":
         assert fast._g2_split == 2 and fast._gemv_sem.numel() and not fast._gemv_sem.any()
+    if m * shape.topk > tm.ALIGN_CHUNK:
+        assert not fast._align_ticket.any()
