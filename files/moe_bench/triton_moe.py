@@ -132,6 +132,11 @@ def _pdl_enter(PDL: tl.constexpr):
 ALIGN_CHUNK = 1024
 
 
+def _align_part_elems(slots: int, bins: int) -> int:
+    """int32 elements of the grouping's per-program counts: a row of bins per ALIGN_CHUNK slots."""
+    return triton.cdiv(slots, ALIGN_CHUNK) * bins
+
+
 @triton.jit
 def _align_kernel(
     topk_ids_ptr,
@@ -1729,7 +1734,7 @@ def workspace_bytes(shape: quant.MoEShape, m: int, dtype_bytes: int = 2) -> int:
     padded = _padded_rows(shape, m, block_m)
     return (
         4 * (padded + 4 * shape.experts + 1024)  # sorted slots, per-expert counts/starts/ends/cursors
-        + 4 * (triton.cdiv(m * shape.topk, ALIGN_CHUNK) * num_bins(shape) + 1)  # the grouping's counts, ticket
+        + 4 * (_align_part_elems(m * shape.topk, num_bins(shape)) + 1)  # the grouping's counts, ticket
         + padded * shape.inter * dtype_bytes  # SiLU(gate) * up per sorted row
         + m * shape.topk * shape.hidden * dtype_bytes  # weighted GEMM2 output per slot
         + 4 * sum(_max_split_elems(shape, m, table))  # float32 split-K partial sums (small M only)
@@ -1818,7 +1823,7 @@ class TritonW4A16MoE:
         self._cursor = torch.empty(e, dtype=torch.int32, device=device)
         # The grouping's per-program counts (a row of bins per ALIGN_CHUNK slots) and its
         # ticket, which every launch leaves at 0 (_align_kernel).
-        self._align_parts = torch.empty(triton.cdiv(max_m * self.shape.topk, ALIGN_CHUNK) * self._num_bins,
+        self._align_parts = torch.empty(_align_part_elems(max_m * self.shape.topk, self._num_bins),
                                         dtype=torch.int32, device=device)
         self._align_ticket = torch.zeros(1, dtype=torch.int32, device=device)
         self._device = device
