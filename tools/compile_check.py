@@ -136,6 +136,19 @@ def compile_align(one_program: bool, num_bins: int = 512, block_m: int = 64, *, 
     return triton.compile(src, target=target or TARGET, options=dict(num_warps=8))
 
 
+SIGNATURE_SCATTER = dict(topk_ids_ptr="*i32", num_slots="i32", cursor_ptr="*i32", sorted_slot_ptr="*i32",
+                         counts_ptr="*i32", starts_ptr="*i32", ends_ptr="*i32")
+
+
+def compile_scatter(block_m: int, num_bins: int = 512, *, target=None):
+    """The grouping's scatter (_scatter_kernel) as TritonW4A16MoE._group_slots launches it: with
+    blocks of at least TABLE_MIN_BLOCK_M rows it also writes the block table."""
+    constants = dict(BLOCK=1024, BLOCK_M=block_m, NUM_BINS=num_bins, PDL=_pdl(target))
+    signature = dict(SIGNATURE_SCATTER, **{name: "constexpr" for name in constants})
+    src = ASTSource(fn=tm._scatter_kernel, signature=signature, constexprs=constants, attrs=_attrs(signature))
+    return triton.compile(src, target=target or TARGET, options=dict(num_warps=4))
+
+
 SIGNATURE_MMA8 = {
     "x_ptr": "*i64", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16", "topk_weights_ptr": "*fp32",
     "sorted_slot_ptr": "*i32", "counts_ptr": "*i32", "starts_ptr": "*i32", "ends_ptr": "*i32", "num_experts": "i32",

@@ -32,8 +32,9 @@ More tokens: tensor-core kernels, five launches (six when GEMM1 is split along K
      BLOCK_M, and store each expert's count and start and end of its range of sorted rows.
   2. _scatter_kernel: place every slot at its expert's next free sorted position (atomic
      cursors: the order inside an expert is free, every row is computed independently, so the
-     result does not depend on it).
-  3. _gemm1_kernel: one block of BLOCK_M sorted rows (one expert, found from the ends) by one
+     result does not depend on it); the slot on a block's first row writes the block's expert
+     and rows into the block table.
+  3. _gemm1_kernel: one block of BLOCK_M sorted rows (one expert, read from the block table) by one
      tile of intermediate columns: the gate and up tiles of w13 against the gathered activation
      rows, int4 unpacked in registers, SiLU(gate) * up in the epilogue.
   4. _gemm2_kernel: the intermediate block against w2, scaled by each slot's top-k weight in
@@ -137,6 +138,19 @@ def _align_part_elems(slots: int, bins: int) -> int:
     return triton.cdiv(slots, ALIGN_CHUNK) * bins
 
 
+# Blocks of at least this many rows take their owner from the block table the scatter writes
+# (_block_owner); the block_m 8 rows keep the search of the ends. Round 37c/38 (PERFORMANCE.md):
+# the table took 0.5-2.2% off kimi-k2.6 --tp 8 at M=16-2048 on an H100, but made the block_m 8
+# GEMM1 128 registers instead of 106 and those rows 1-1.5% slower.
+TABLE_MIN_BLOCK_M = tl.constexpr(16)
+
+
+def _block_table_elems(slots: int, experts: int) -> int:
+    """int32 elements of the block table: an (expert, rows) pair for each block of at least
+    TABLE_MIN_BLOCK_M rows the slots can fill (each expert's last block may be part-empty)."""
+    return 2 * (triton.cdiv(slots, TABLE_MIN_BLOCK_M.value) + experts)
+
+
 @triton.jit
 def _align_kernel(
     topk_ids_ptr,
@@ -198,23 +212,41 @@ def _align_kernel(
 
 
 @triton.jit
-def _scatter_kernel(topk_ids_ptr, num_slots, cursor_ptr, sorted_slot_ptr, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr = False):
+def _scatter_kernel(topk_ids_ptr, num_slots, cursor_ptr, sorted_slot_ptr, counts_ptr, starts_ptr, ends_ptr,
+                    BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, PDL: tl.constexpr = False):
+    """Every slot at its expert's next free sorted position. With blocks of at least
+    TABLE_MIN_BLOCK_M rows, the slot that lands on the first row of a block also writes the
+    block's entry (expert, real rows) into the block table that follows the ends (ends_ptr +
+    NUM_BINS: two int32 a block), which _block_owner reads instead of searching the ends."""
     _pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < num_slots
     ids = tl.load(topk_ids_ptr + offs, mask=valid, other=0)
     pos = tl.atomic_add(cursor_ptr + ids, 1, mask=valid)
     tl.store(sorted_slot_ptr + pos, offs, mask=valid)
+    if BLOCK_M >= TABLE_MIN_BLOCK_M:
+        rel = pos - tl.load(starts_ptr + ids, mask=valid, other=0)
+        first = valid & (rel % BLOCK_M == 0)
+        rows = tl.minimum(tl.load(counts_ptr + ids, mask=first, other=0) - rel, BLOCK_M)
+        entry = ends_ptr + NUM_BINS + 2 * (pos // BLOCK_M)
+        tl.store(entry, ids, mask=first)
+        tl.store(entry + 1, rows, mask=first)
 
 
 @triton.jit
 def _block_owner(pid_b, counts_ptr, starts_ptr, ends_ptr, num_experts, BLOCK_M: tl.constexpr,
                  NUM_BINS: tl.constexpr):
-    """(expert, real rows) of sorted block pid_b; rows is 0 for a block past the used ones."""
+    """(expert, real rows) of sorted block pid_b; rows is 0 for a block past the used ones.
+    Blocks of at least TABLE_MIN_BLOCK_M rows read the block table the scatter wrote (its
+    entries past the used rows are stale: the last expert's end says which are used); smaller
+    blocks (the block_m 8 rows) count the experts whose padded range ends at or before the block."""
+    if BLOCK_M >= TABLE_MIN_BLOCK_M:
+        used = tl.load(ends_ptr + num_experts - 1)
+        entry = ends_ptr + NUM_BINS + 2 * pid_b
+        owned = pid_b * BLOCK_M < used
+        return tl.where(owned, tl.load(entry), 0), tl.where(owned, tl.load(entry + 1), 0)
     first_row = pid_b * BLOCK_M
     ends = tl.load(ends_ptr + tl.arange(0, NUM_BINS))
-    # Experts whose padded range ends at or before this block come before its owner.
     expert = tl.sum((ends <= first_row).to(tl.int32), axis=0)
     owned = expert < num_experts
     safe = tl.minimum(expert, num_experts - 1)
@@ -1735,6 +1767,7 @@ def workspace_bytes(shape: quant.MoEShape, m: int, dtype_bytes: int = 2) -> int:
     return (
         4 * (padded + 4 * shape.experts + 1024)  # sorted slots, per-expert counts/starts/ends/cursors
         + 4 * (_align_part_elems(m * shape.topk, num_bins(shape)) + 1)  # the grouping's counts, ticket
+        + 4 * _block_table_elems(m * shape.topk, shape.experts)  # the block table after the ends
         + padded * shape.inter * dtype_bytes  # SiLU(gate) * up per sorted row
         + m * shape.topk * shape.hidden * dtype_bytes  # weighted GEMM2 output per slot
         + 4 * sum(_max_split_elems(shape, m, table))  # float32 split-K partial sums (small M only)
@@ -1819,7 +1852,9 @@ class TritonW4A16MoE:
         self._sorted_slot = torch.empty(self._max_padded, dtype=torch.int32, device=device)
         self._counts = torch.empty(e, dtype=torch.int32, device=device)
         self._starts = torch.empty(e, dtype=torch.int32, device=device)
-        self._ends = torch.empty(self._num_bins, dtype=torch.int32, device=device)
+        # The ends, then the block table the scatter writes (_block_table_elems).
+        self._ends = torch.empty(self._num_bins + _block_table_elems(max_m * self.shape.topk, e),
+                                 dtype=torch.int32, device=device)
         self._cursor = torch.empty(e, dtype=torch.int32, device=device)
         # The grouping's per-program counts (a row of bins per ALIGN_CHUNK slots) and its
         # ticket, which every launch leaves at 0 (_align_kernel).
@@ -2129,7 +2164,8 @@ class TritonW4A16MoE:
             ONE_PROGRAM=programs == 1, PDL=self._pdl, num_warps=8, **self._pdl_kw,
         )
         _scatter_kernel[(triton.cdiv(slots, 1024),)](
-            topk_ids, slots, self._cursor, self._sorted_slot, BLOCK=1024, PDL=self._pdl, num_warps=4, **self._pdl_kw,
+            topk_ids, slots, self._cursor, self._sorted_slot, self._counts, self._starts, self._ends, BLOCK=1024,
+            BLOCK_M=block_m, NUM_BINS=self._num_bins, PDL=self._pdl, num_warps=4, **self._pdl_kw,
         )
 
     def gemm1(self, x: torch.Tensor, block_m: int, g1: dict) -> None:

@@ -157,7 +157,8 @@ def test_the_grouping_count_hands_its_rows_to_the_last_program_in_order(arch):
     thread's row stored before the ticket (a block barrier, then one gpu-scope acquire-release
     atomic), the rows read back past L1 (ld.global.cg), the ticket set back to 0; the
     one-program form takes no ticket. The interpreter runs programs one after another, so only
-    the compiled form shows this ordering."""
+    the compiled form shows this ordering. The scatter after it compiles too, with the block
+    table's stores at block_m 16 and 64 and without them at 8."""
     code = (
         "import json, re, sys; sys.path[:0] = ['files', 'tools']\n"
         "import compile_check as cc\n"
@@ -172,12 +173,15 @@ def test_the_grouping_count_hands_its_rows_to_the_last_program_in_order(arch):
         "                             for i in ticket],\n"
         "                    barrier_before=[any('bar.sync' in l for l in lines[max(0, i - 12): i]) for i in ticket],\n"
         "                    cg='ld.global.cg' in ptx))\n"
-        "print(json.dumps(out))\n")
-    many, one = json.loads(run_code(code, timeout=300).stdout.strip().splitlines()[-1])
+        "stores = [len(re.findall(r'st\\.global', cc.compile_scatter(bm, target=t).asm['ptx'])) for bm in (8, 16, 64)]\n"
+        "print(json.dumps(out + [stores]))\n")
+    many, one, stores = json.loads(run_code(code, timeout=300).stdout.strip().splitlines()[-1])
     assert len(many["tickets"]) == 1, many
     assert "acq_rel" in many["tickets"][0] and ".gpu" in many["tickets"][0], many
     assert many["barrier_before"] == [True] and many["cg"], many
     assert one["tickets"] == [] and not one["cg"], one
+    # The scatter writes the block table for blocks of 16 rows and more, not for the block_m 8 rows.
+    assert stores[1] == stores[2] > stores[0] > 0, stores
 
 
 def test_split_one_row_gemms_are_compiled_as_launched_with_16_byte_loads():

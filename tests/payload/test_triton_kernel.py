@@ -182,6 +182,39 @@ def test_alignment_counts_in_several_programs_and_leaves_the_ticket_at_zero():
             assert sorted(rows.tolist()) == sorted((flat == e).nonzero().flatten().tolist())
 
 
+def test_the_block_table_names_each_blocks_expert_and_rows_and_its_stale_entries_go_unused():
+    """Blocks of at least TABLE_MIN_BLOCK_M rows take their owner from the table the scatter
+    writes after the ends: one (expert, real rows) entry a used block. A forward on routings
+    that fill fewer blocks than one before leaves that one's entries past the used rows: they
+    must go unread (a block past the last expert's end has no rows), and the block_m 8 search
+    writes no entry."""
+    shape = quant.MoEShape(experts=7, hidden=64, inter=64, topk=3, group_size=32)
+    weights = quant.random_weights(shape, "cpu", seed=0)
+    m = tm.ALIGN_CHUNK // shape.topk + 40  # two counting programs
+    for block_m in (16, 32):
+        moe = tm.TritonW4A16MoE(weights, max_m=m, table=single_entry_table(block_m))
+        bins = moe._num_bins
+        for seed, pool in ((3, 7), (4, 3)):  # every expert, then three: fewer blocks, stale entries
+            x, ids, wts = random_inputs(shape, m, torch.float32, seed=seed, experts=pool)
+            out = moe(x, ids, wts)
+            counts = torch.bincount(ids.flatten().long(), minlength=shape.experts)
+            expected = []
+            for e, c in enumerate(counts.tolist()):
+                expected += [[e, min(block_m, c - r)] for r in range(0, c, block_m)]
+            table = moe._ends[bins: bins + 2 * len(expected)].view(-1, 2).tolist()
+            assert table == expected, (block_m, seed)
+            if pool == 3:  # the first forward's entries stay past the used blocks
+                stale = moe._ends[bins + 2 * len(expected): bins + 2 * len(expected) + 2].tolist()
+                assert stale[1] > 0, stale
+            assert relative_error(out, reference(weights, x, ids, wts)) < BOUND[torch.float32]
+    before = torch.full((2 * 16,), -5, dtype=torch.int32)
+    moe = tm.TritonW4A16MoE(weights, max_m=m, table=single_entry_table(16))
+    moe._ends[moe._num_bins: moe._num_bins + before.numel()] = before
+    moe._group_slots(random_inputs(shape, m, torch.float32, seed=5)[1].contiguous(), 8)
+    assert moe._ends[moe._num_bins: moe._num_bins + before.numel()].tolist() == before.tolist()
+    assert tm._block_table_elems(m * shape.topk, shape.experts) * 4 <= tm.workspace_bytes(shape, m)
+
+
 def test_tile_configs_fit_the_shape_and_cover_every_m():
     shape = quant.MoEShape(experts=384, hidden=7168, inter=2048, topk=8, group_size=32)
     m_list = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
