@@ -139,9 +139,9 @@ def _align_part_elems(slots: int, bins: int) -> int:
 
 
 # Blocks of at least this many rows take their owner from the block table the scatter writes
-# (_block_owner); the block_m 8 rows keep the search of the ends. Round 37c/38 (PERFORMANCE.md):
-# the table took 0.5-2.2% off kimi-k2.6 --tp 8 at M=16-2048 on an H100, but made the block_m 8
-# GEMM1 128 registers instead of 106 and those rows 1-1.5% slower.
+# (_block_owner); the block_m 8 rows keep the search of the ends. PERFORMANCE.md round 38: the
+# table took 1.4-2.1% off kimi-k2.6 --tp 8 at M=16-2048 on an H100; round 37c: read at block_m 8
+# too, it made that GEMM1 128 registers instead of 106 and those rows 1-1.5% slower.
 TABLE_MIN_BLOCK_M = tl.constexpr(16)
 
 
