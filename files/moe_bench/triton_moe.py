@@ -145,10 +145,10 @@ def _align_part_elems(slots: int, bins: int) -> int:
 TABLE_MIN_BLOCK_M = tl.constexpr(16)
 
 
-def _block_table_elems(slots: int, experts: int) -> int:
-    """int32 elements of the block table: an (expert, rows) pair for each block of at least
-    TABLE_MIN_BLOCK_M rows the slots can fill (each expert's last block may be part-empty)."""
-    return 2 * (triton.cdiv(slots, TABLE_MIN_BLOCK_M.value) + experts)
+def _block_table_elems(shape: quant.MoEShape, m: int) -> int:
+    """int32 elements of the block table: an (expert, rows) pair for each block of m tokens'
+    padded rows (_padded_rows) at the smallest block_m that writes one; larger blocks fill fewer."""
+    return 2 * triton.cdiv(_padded_rows(shape, m, TABLE_MIN_BLOCK_M.value), TABLE_MIN_BLOCK_M.value)
 
 
 @triton.jit
@@ -1767,7 +1767,7 @@ def workspace_bytes(shape: quant.MoEShape, m: int, dtype_bytes: int = 2) -> int:
     return (
         4 * (padded + 4 * shape.experts + 1024)  # sorted slots, per-expert counts/starts/ends/cursors
         + 4 * (_align_part_elems(m * shape.topk, num_bins(shape)) + 1)  # the grouping's counts, ticket
-        + 4 * _block_table_elems(m * shape.topk, shape.experts)  # the block table after the ends
+        + 4 * _block_table_elems(shape, m)  # the block table after the ends
         + padded * shape.inter * dtype_bytes  # SiLU(gate) * up per sorted row
         + m * shape.topk * shape.hidden * dtype_bytes  # weighted GEMM2 output per slot
         + 4 * sum(_max_split_elems(shape, m, table))  # float32 split-K partial sums (small M only)
@@ -1853,7 +1853,7 @@ class TritonW4A16MoE:
         self._counts = torch.empty(e, dtype=torch.int32, device=device)
         self._starts = torch.empty(e, dtype=torch.int32, device=device)
         # The ends, then the block table the scatter writes (_block_table_elems).
-        self._ends = torch.empty(self._num_bins + _block_table_elems(max_m * self.shape.topk, e),
+        self._ends = torch.empty(self._num_bins + _block_table_elems(self.shape, max_m),
                                  dtype=torch.int32, device=device)
         self._cursor = torch.empty(e, dtype=torch.int32, device=device)
         # The grouping's per-program counts (a row of bins per ALIGN_CHUNK slots) and its
